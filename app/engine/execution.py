@@ -1,0 +1,82 @@
+"""Runs a stream of batch lines through an executor with a bounded number in flight.
+
+A fixed set of worker coroutines pulls lines from one iterator, so memory follows what is in flight, not the
+size of the file, and no task is built per line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Protocol
+
+from app.results import Outcome, http_outcome
+
+
+class Executor(Protocol):
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]: ...
+
+
+Line = tuple[int, dict]
+OnOutcome = Callable[[int, Outcome], None]
+
+
+async def run_lines(
+    lines: Iterator[Line],
+    *,
+    executor: Executor,
+    endpoint: str,
+    slots: asyncio.Semaphore,
+    workers: int,
+    on_outcome: OnOutcome,
+    on_all_submitted: Callable[[], None] | None = None,
+) -> None:
+    """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
+
+    An exception from the executor (the engine died) cancels the other workers and propagates.
+    """
+    exhausted = False
+
+    def next_line() -> Line | None:
+        nonlocal exhausted
+        if exhausted:
+            return None
+        line = next(lines, None)
+        if line is None:
+            exhausted = True
+            if on_all_submitted is not None:
+                on_all_submitted()
+        return line
+
+    async def worker() -> None:
+        while True:
+            async with slots:
+                line = next_line()
+                if line is None:
+                    return
+                number, request = line
+                status, body = await executor.execute(endpoint, request["body"])
+                on_outcome(number, http_outcome(request["custom_id"], status, body))
+
+    tasks = [asyncio.create_task(worker()) for _ in range(max(1, workers))]
+    try:
+        await _gather_or_cancel(tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
+    done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    for task in done:
+        if task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    if pending:
+        await asyncio.gather(*pending)
+
+
+async def every(seconds: float, action: Callable[[], Awaitable[None]]) -> None:
+    while True:
+        await asyncio.sleep(seconds)
+        await action()

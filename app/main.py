@@ -1,0 +1,55 @@
+"""The FastAPI application: routes, error envelope, request ids, and the engine service's lifespan."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+
+from app import __version__
+from app.api import batches as batch_routes
+from app.api import files as file_routes
+from app.api import system as system_routes
+from app.config import Settings
+from app.db import make_engine
+from app.engine.service import EngineService
+from app.errors import install_error_handlers
+from app.ids import new_id
+from app.migrate import upgrade_to_head
+from app.storage import Storage
+
+
+def create_app(settings: Settings, engine: EngineService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        upgrade_to_head(settings.database_path)
+        app.state.db = make_engine(settings.database_path)
+        app.state.storage = Storage(settings.files_dir)
+        await engine.start(db=app.state.db, storage=app.state.storage, settings=settings)
+        try:
+            yield
+        finally:
+            await engine.stop()
+            app.state.db.dispose()
+
+    app = FastAPI(
+        title="vbatch",
+        version=__version__,
+        description="OpenAI-compatible Files and Batch API over a live vLLM engine.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    install_error_handlers(app)
+
+    @app.middleware("http")
+    async def request_id(request: Request, call_next):
+        response = await call_next(request)
+        response.headers["x-request-id"] = new_id("req_")
+        return response
+
+    app.include_router(file_routes.router)
+    app.include_router(batch_routes.router)
+    app.include_router(system_routes.router)
+    return app

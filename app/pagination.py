@@ -1,0 +1,44 @@
+"""Cursor pagination the way OpenAI's SDK walks it: `after=<last id>` until `has_more` is false."""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from sqlalchemy import and_, or_
+from sqlmodel import Session, select
+
+from app.errors import bad_request
+
+Row = TypeVar("Row", bound=Any)
+
+
+def page(
+    session: Session,
+    table: type[Row],
+    *,
+    filters: list,
+    limit: int,
+    after: str | None,
+    descending: bool,
+) -> tuple[list[Row], bool]:
+    """Rows in (created_ns, id) order, strictly after the row `after`, at most `limit`; plus has_more."""
+    statement = select(table).where(*filters)
+    if after is not None:
+        anchor = session.get(table, after)
+        if anchor is None:
+            raise bad_request(f"No such object for 'after': {after}", param="after")
+        newer = or_(
+            table.created_ns > anchor.created_ns,
+            and_(table.created_ns == anchor.created_ns, table.id > anchor.id),
+        )
+        older = or_(
+            table.created_ns < anchor.created_ns,
+            and_(table.created_ns == anchor.created_ns, table.id < anchor.id),
+        )
+        statement = statement.where(older if descending else newer)
+    if descending:
+        statement = statement.order_by(table.created_ns.desc(), table.id.desc())
+    else:
+        statement = statement.order_by(table.created_ns.asc(), table.id.asc())
+    rows = list(session.exec(statement.limit(limit + 1)).all())
+    return rows[:limit], len(rows) > limit

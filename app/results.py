@@ -1,0 +1,64 @@
+"""Output and error file lines (OpenAI's BatchRequestOutput), and the per-batch token usage they add up to."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from app.batches import Progress
+from app.ids import new_id
+
+EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
+CANCELLED_MESSAGE = "The batch was cancelled before this request executed."
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request came to: an HTTP status and body from the handler, or a non-HTTP error."""
+
+    custom_id: str
+    status_code: int | None
+    body: dict | None
+    error_code: str | None = None
+    error_message: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def http_outcome(custom_id: str, status_code: int, body: dict) -> Outcome:
+    return Outcome(custom_id=custom_id, status_code=status_code, body=body)
+
+
+def error_outcome(custom_id: str, code: str, message: str) -> Outcome:
+    return Outcome(custom_id=custom_id, status_code=None, body=None, error_code=code, error_message=message)
+
+
+def line_for(outcome: Outcome) -> bytes:
+    if outcome.status_code is None:
+        response = None
+        error = {"code": outcome.error_code, "message": outcome.error_message}
+    else:
+        response = {"status_code": outcome.status_code, "request_id": new_id("req_"), "body": outcome.body}
+        error = None
+    record = {
+        "id": new_id("batch_req_"),
+        "custom_id": outcome.custom_id,
+        "response": response,
+        "error": error,
+    }
+    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+
+
+def add_usage(progress: Progress, body: dict | None) -> None:
+    """Chat and completions report prompt/completion tokens; responses input/output; embeddings prompt only."""
+    usage = (body or {}).get("usage") or {}
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
+    completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
+    prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
+    completion_details = usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    progress.input_tokens += prompt
+    progress.output_tokens += completion
+    progress.cached_tokens += prompt_details.get("cached_tokens") or 0
+    progress.reasoning_tokens += completion_details.get("reasoning_tokens") or 0

@@ -1,0 +1,37 @@
+"""Alembic environment. vbatch runs `upgrade head` itself at start (app.migrate)."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine
+from sqlmodel import SQLModel
+
+import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from app.config import Settings
+
+target_metadata = SQLModel.metadata
+
+
+def _url() -> str:
+    return context.config.get_main_option("sqlalchemy.url") or f"sqlite:///{Settings().database_path}"
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, render_as_batch=True, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    engine = create_engine(_url())
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+    engine.dispose()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()

@@ -1,0 +1,30 @@
+"""Shared fixtures. Unit tests run the real app on a real SQLite file with a fake engine; end-to-end tests
+(tests/e2e) start the real `vbatch serve` once per session."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.config import Settings
+from app.main import create_app
+from tests.fakes import FakeEngineService
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(data_dir=tmp_path / "data", completion_windows="24h,2s", counts_flush_seconds=0.05)
+
+
+@pytest.fixture
+def fake_engine() -> FakeEngineService:
+    return FakeEngineService()
+
+
+@pytest.fixture
+def client(settings: Settings, fake_engine: FakeEngineService) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, fake_engine)) as test_client:
+        yield test_client

@@ -1,0 +1,64 @@
+"""A fake engine for API-layer unit tests: the real loop, runner, storage and SQLite, with an executor that
+answers like a tiny chat model. Never the only proof that a feature works (see tests/e2e)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.engine.service import EngineService
+
+MODEL = "fake-model"
+
+
+class FakeExecutor:
+    def __init__(self) -> None:
+        self.calls = 0
+        self.gate: asyncio.Event | None = None
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        self.calls += 1
+        if self.gate is not None:
+            await self.gate.wait()
+        if body.get("max_tokens", 1) < 0:
+            return 400, {
+                "error": {
+                    "message": "max_tokens must be positive",
+                    "type": "BadRequestError",
+                    "param": "max_tokens",
+                    "code": 400,
+                }
+            }
+        text = "ok"
+        return 200, {
+            "id": f"chatcmpl-{self.calls}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", MODEL),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": 1,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        }
+
+
+class FakeEngineService(EngineService):
+    def __init__(self) -> None:
+        super().__init__(None, MODEL)
+        self.executor = FakeExecutor()
+
+    async def _start_engine(self):
+        self.served_models = [MODEL]
+        return _FakeServing(self.executor)
+
+
+class _FakeServing:
+    max_num_seqs = 4
+
+    def __init__(self, executor: FakeExecutor) -> None:
+        self.executor = executor
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        return await self.executor.execute(endpoint, body)

@@ -1,0 +1,58 @@
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+
+from fastapi.testclient import TestClient
+
+from tests.fakes import MODEL
+
+
+def request_line(custom_id: str, *, url: str = "/v1/chat/completions", **body_fields) -> dict:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"hi {custom_id}"}], **body_fields}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": body}
+
+
+def jsonl(lines: list) -> bytes:
+    return b"".join((json.dumps(x) if not isinstance(x, bytes) else x.decode()).encode() + b"\n" for x in lines)
+
+
+def upload(client: TestClient, content: bytes, *, purpose: str = "batch", filename: str = "in.jsonl") -> dict:
+    response = client.post("/v1/files", files={"file": (filename, content)}, data={"purpose": purpose})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def create_batch(client: TestClient, file_id: str, **extra) -> dict:
+    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h", **extra}
+    response = client.post("/v1/batches", json=body)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_for(predicate: Callable[[], dict | None], timeout: float = 20.0) -> dict:
+    """Polls (as a client would) until predicate returns a value; fails the test after timeout."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError("condition not reached in time")
+
+
+def wait_status(client: TestClient, batch_id: str, statuses: set[str], timeout: float = 20.0) -> dict:
+    def reached() -> dict | None:
+        batch = client.get(f"/v1/batches/{batch_id}").json()
+        return batch if batch["status"] in statuses else None
+
+    return wait_for(reached, timeout)
+
+
+def read_jsonl(client: TestClient, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    response = client.get(f"/v1/files/{file_id}/content")
+    assert response.status_code == 200
+    return [json.loads(line) for line in response.content.splitlines()]
