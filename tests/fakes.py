@@ -13,11 +13,13 @@ MODEL = "fake-model"
 class FakeExecutor:
     def __init__(self) -> None:
         self.calls = 0
-        self.gate: asyncio.Event | None = None
+        # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
+        self.answer_first: int | None = None
+        self.gate = asyncio.Event()
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         self.calls += 1
-        if self.gate is not None:
+        if self.answer_first is not None and self.calls > self.answer_first:
             await self.gate.wait()
         if body.get("max_tokens", 1) < 0:
             return 400, {

@@ -1,0 +1,68 @@
+from __future__ import annotations
+
+import pytest
+
+from app import batches
+from app.batches import TERMINAL, TRANSITIONS, InvalidTransition
+from app.db import make_engine
+from app.errors import APIError
+from app.migrate import upgrade_to_head
+from app.models import FileRow
+from app.schemas import CreateBatchRequest
+
+
+@pytest.fixture
+def db(tmp_path):
+    path = tmp_path / "state.db"
+    upgrade_to_head(path)
+    engine = make_engine(path)
+    with batches.write_scope(engine) as session:
+        session.add(FileRow(id="file-1", created_ns=1, created_at=1, bytes=1, filename="f", purpose="batch"))
+        session.commit()
+    return engine
+
+
+def new_batch(db) -> str:
+    request = CreateBatchRequest(input_file_id="file-1", endpoint="/v1/chat/completions", completion_window="24h")
+    return batches.create(db=db, request=request, windows={"24h": 86400}).id
+
+
+def test_terminal_states_have_no_way_out():
+    assert all(TRANSITIONS[state] == frozenset() for state in TERMINAL)
+
+
+def test_happy_path_stamps_each_time_once(db):
+    batch_id = new_batch(db)
+    for status in ("in_progress", "finalizing", "completed"):
+        row = batches.transition(db=db, batch_id=batch_id, to=status)
+        assert row.status == status and getattr(row, f"{status}_at") is not None
+    assert batches.get(db=db, batch_id=batch_id).in_progress_at is not None
+
+
+def test_no_moving_backwards(db):
+    batch_id = new_batch(db)
+    batches.transition(db=db, batch_id=batch_id, to="in_progress")
+    with pytest.raises(InvalidTransition):
+        batches.transition(db=db, batch_id=batch_id, to="validating")
+    batches.transition(db=db, batch_id=batch_id, to="finalizing")
+    batches.transition(db=db, batch_id=batch_id, to="completed")
+    for status in TRANSITIONS:
+        with pytest.raises(InvalidTransition):
+            batches.transition(db=db, batch_id=batch_id, to=status)
+
+
+def test_cancel_is_idempotent_and_refused_when_finished(db):
+    batch_id = new_batch(db)
+    first = batches.request_cancel(db=db, batch_id=batch_id)
+    second = batches.request_cancel(db=db, batch_id=batch_id)
+    assert first.status == second.status == "cancelling" and first.cancelling_at == second.cancelling_at
+    batches.transition(db=db, batch_id=batch_id, to="cancelled")
+    with pytest.raises(APIError) as refused:
+        batches.request_cancel(db=db, batch_id=batch_id)
+    assert refused.value.status_code == 400
+
+
+def test_active_is_in_creation_order(db):
+    ids = [new_batch(db) for _ in range(3)]
+    batches.transition(db=db, batch_id=ids[1], to="failed")
+    assert [row.id for row in batches.active(db=db)] == [ids[0], ids[2]]
