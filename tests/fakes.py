@@ -20,7 +20,13 @@ class FakeExecutor:
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         self.calls += 1
         if self.answer_first is not None and self.calls > self.answer_first:
-            await self.gate.wait()
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                # As vLLM's handlers do: an aborted request comes back as an error body, not an exception.
+                return 400, {
+                    "error": {"message": "Client disconnected", "type": "BadRequestError", "param": None, "code": 400}
+                }
         if body.get("max_tokens", 1) < 0:
             return 400, {
                 "error": {

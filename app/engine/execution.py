@@ -56,6 +56,10 @@ async def run_lines(
                     return
                 number, request = line
                 status, body = await executor.execute(endpoint, request["body"])
+                if _being_cancelled():
+                    # vLLM's handlers turn an abort into a "client disconnected" error body; that request did
+                    # not finish, so it gets no line here (cancel and expiry write theirs).
+                    raise asyncio.CancelledError
                 on_outcome(number, http_outcome(request["custom_id"], status, body))
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, workers))]
@@ -65,6 +69,11 @@ async def run_lines(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _being_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import json
+import sys
 import typing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -80,7 +82,14 @@ class Handler:
 
 
 def _request_type(method: Callable[..., Any]) -> type:
-    return typing.get_type_hints(method)["request"]
+    """The handler's own request model, read from its signature rather than imported by a module path."""
+    try:
+        return typing.get_type_hints(method)["request"]
+    except Exception:  # an annotation that only resolves under TYPE_CHECKING
+        annotation = inspect.signature(method).parameters["request"].annotation
+        if isinstance(annotation, str):
+            return getattr(sys.modules[method.__module__], annotation)
+        return annotation
 
 
 class ServingLayer:

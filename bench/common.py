@@ -1,0 +1,146 @@
+"""Pieces shared by the benchmarks: the seed's ticket workload, a vbatch server, and an SDK-driven batch run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+SYSTEM = "You are a support analyst for a GPU cloud. Answer in at most three sentences."
+TOPICS = ["billing", "login", "latency", "data export", "permissions"]
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def ticket_prompts(count: int) -> list[str]:
+    return [
+        f"A customer reports a problem with {TOPICS[i % len(TOPICS)]}. What is the most likely cause? (ticket {i})"
+        for i in range(count)
+    ]
+
+
+def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict) -> None:
+    with path.open("w") as out:
+        for i, prompt in enumerate(ticket_prompts(count)):
+            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
+            body = {"model": model, "messages": messages, **sampling}
+            out.write(json.dumps({"custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": body}) + "\n")  # fmt: skip
+
+
+class VbatchServer:
+    """`vbatch serve` in its own process group, so that stopping it stops the engine too."""
+
+    def __init__(self, data_dir: Path, port: int, engine_args: list[str], log_path: Path, env: dict | None = None):
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.log = log_path.open("wb")
+        command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(port)]
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            command + engine_args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+
+    def wait_ready(self, timeout: float) -> float:
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - self.started
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("vbatch serve did not become ready")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
+
+
+@dataclass
+class BatchRun:
+    turnaround_s: float = 0.0
+    generating_s: float = 0.0
+    output_tokens: int = 0
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    completed: int = 0
+    failed: int = 0
+    poll_latencies_ms: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        latencies = sorted(self.poll_latencies_ms)
+        p99 = latencies[int(0.99 * (len(latencies) - 1))] if latencies else None
+        return {
+            "turnaround_s": round(self.turnaround_s, 2),
+            "generating_s": round(self.generating_s, 2),
+            "output_tokens": self.output_tokens,
+            "input_tokens": self.input_tokens,
+            "cached_tokens": self.cached_tokens,
+            "completed": self.completed,
+            "failed": self.failed,
+            "output_tokens_per_s": round(self.output_tokens / self.generating_s, 1) if self.generating_s else None,
+            "poll_p50_ms": round(statistics.median(latencies), 2) if latencies else None,
+            "poll_p99_ms": round(p99, 2) if p99 is not None else None,
+            "polls": len(latencies),
+        }
+
+
+def run_batch_through_sdk(base_url: str, input_path: Path, timeout: float = 1800) -> BatchRun:
+    """Upload, create, and poll as a user would; a second thread polls GET /v1/batches/{id} back to back."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0)
+    result = BatchRun()
+    uploaded = client.files.create(file=input_path.open("rb"), purpose="batch")
+    created_at = time.monotonic()
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    stop = threading.Event()
+
+    def hammer() -> None:
+        with httpx.Client() as http:
+            while not stop.is_set():
+                start = time.perf_counter()
+                http.get(f"{base_url}/v1/batches/{batch.id}")
+                result.poll_latencies_ms.append((time.perf_counter() - start) * 1000)
+                time.sleep(0.01)
+
+    poller = threading.Thread(target=hammer, daemon=True)
+    poller.start()
+    generating_from = None
+    while time.monotonic() - created_at < timeout:
+        batch = client.batches.retrieve(batch.id)
+        if generating_from is None and batch.status == "in_progress":
+            generating_from = time.monotonic()
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            break
+        time.sleep(0.1)
+    done_at = time.monotonic()
+    stop.set()
+    poller.join()
+    result.turnaround_s = done_at - created_at
+    result.generating_s = done_at - (generating_from or created_at)
+    counts, usage = batch.request_counts, batch.usage
+    result.completed, result.failed = counts.completed, counts.failed
+    if usage is not None:
+        result.output_tokens, result.input_tokens = usage.output_tokens, usage.input_tokens
+        result.cached_tokens = usage.input_tokens_details.cached_tokens
+    if batch.status != "completed":
+        raise RuntimeError(f"batch ended {batch.status}: {batch.errors}")
+    return result

@@ -1,0 +1,117 @@
+"""The whole GPU comparison in one device call: vbatch (warm service), LLM.chat, and vllm run-batch on the seed's
+support tickets, same engine, same prompts, same sampling. Prints a table; writes JSON next to it.
+
+  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 bench/gpu_compare.py --model $BENCH_MODEL --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from bench.common import ROOT, VbatchServer, run_batch_through_sdk, write_ticket_batch
+
+SERVED = "bench-model"
+SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    flags = ["--model", args.model, "--served-model-name", SERVED, "--max-model-len", str(args.max_model_len)]
+    return flags + (["--load-format", "dummy"] if args.dummy else [])
+
+
+def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    server = VbatchServer(out / "vbatch-data", 8123, engine_flags(args), out / "vbatch-serve.log")
+    try:
+        start_s = server.wait_ready(timeout=400)
+        warmup = out / "warmup.jsonl"
+        write_ticket_batch(warmup, 8, model=SERVED, sampling={**SAMPLING, "max_tokens": 8})
+        run_batch_through_sdk(server.base_url, warmup)
+        measured = run_batch_through_sdk(server.base_url, tickets)
+        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary()}
+    finally:
+        server.stop()
+
+
+def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    extra = json.dumps({"load_format": "dummy"} if args.dummy else {})
+    command = [sys.executable, "-m", "bench.llm_chat_side", "--input", str(tickets), "--model", args.model,
+               "--max-model-len", str(args.max_model_len), "--extra", extra]  # fmt: skip
+    return _json_tail(_run(command, out / "llm-chat.log", timeout=400))
+
+
+def run_batch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    results = out / "run-batch-output.jsonl"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(tickets), "-o", str(results),
+               *engine_flags(args)]  # fmt: skip
+    started = time.monotonic()
+    _run(command, out / "run-batch.log", timeout=400)
+    whole = time.monotonic() - started
+    tokens = cached = 0
+    for line in results.read_text().splitlines():
+        usage = ((json.loads(line).get("response") or {}).get("body") or {}).get("usage") or {}
+        tokens += usage.get("completion_tokens", 0)
+        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return {"side": "vllm_run_batch", "whole_s": round(whole, 2), "output_tokens": tokens, "cached_tokens": cached}
+
+
+def _run(command: list[str], log: Path, timeout: float) -> str:
+    with log.open("w") as sink:
+        finished = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout)
+    if finished.returncode != 0:
+        raise RuntimeError(f"{command[:4]} exited {finished.returncode}; see {log}")
+    return finished.stdout
+
+
+def _json_tail(stdout: str) -> dict:
+    return json.loads([line for line in stdout.splitlines() if line.startswith("{")][-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--prompts", type=int, default=2000)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--sides", default="vbatch,llm_chat,run_batch")
+    parser.add_argument("--meta", default="{}", help="JSON merged into the result (commit, date, machine)")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    tickets = args.out / "tickets.jsonl"
+    write_ticket_batch(tickets, args.prompts, model=SERVED, sampling=SAMPLING)
+    sides = {"vbatch": vbatch_side, "llm_chat": llm_chat_side, "run_batch": run_batch_side}
+    results = {"meta": {**json.loads(args.meta), "prompts": args.prompts, "sampling": SAMPLING}, "sides": {}}
+    for name in args.sides.split(","):
+        try:
+            results["sides"][name] = sides[name](args, tickets, args.out)
+        except Exception as exc:  # keep the other sides' numbers
+            results["sides"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps(results["sides"][name]), flush=True)
+        (args.out / "results.json").write_text(json.dumps(results, indent=2))
+    print_table(results)
+
+
+def print_table(results: dict) -> None:
+    sides = results["sides"]
+    print(f"\n{'side':<16}{'start s':>9}{'gen s':>8}{'whole s':>9}{'out tok':>9}{'out tok/s':>11}{'cached':>9}")
+    for name, r in sides.items():
+        print(f"{name:<16}{r.get('engine_start_s', '-')!s:>9}{r.get('generating_s', '-')!s:>8}"
+              f"{r.get('whole_s', r.get('turnaround_s', '-'))!s:>9}{r.get('output_tokens', '-')!s:>9}"
+              f"{r.get('output_tokens_per_s', '-')!s:>11}{r.get('cached_tokens', '-')!s:>9}")  # fmt: skip
+    v, chat, rb = sides.get("vbatch", {}), sides.get("llm_chat", {}), sides.get("run_batch", {})
+    if v.get("output_tokens_per_s") and chat.get("output_tokens_per_s"):
+        print(f"throughput vbatch / LLM.chat: {v['output_tokens_per_s'] / chat['output_tokens_per_s']:.2f}x")
+    if v.get("turnaround_s") and rb.get("whole_s"):
+        print(f"turnaround vbatch / run-batch whole run: {v['turnaround_s'] / rb['whole_s']:.2f}x")
+    if v.get("poll_p99_ms") is not None:
+        print(f"GET /v1/batches/{{id}} while saturated: p50 {v['poll_p50_ms']} ms, p99 {v['poll_p99_ms']} ms")
+
+
+if __name__ == "__main__":
+    main()
