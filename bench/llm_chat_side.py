@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 
 def main() -> None:
@@ -17,7 +18,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    bodies = [json.loads(line)["body"] for line in open(args.input)]
+    bodies = [json.loads(line)["body"] for line in Path(args.input).read_text().splitlines()]
     first = bodies[0]
     params = SamplingParams(
         max_tokens=first.get("max_tokens", 16),
