@@ -95,6 +95,7 @@ def run(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
     if not argv or argv[0] not in ("serve", "run"):
         print(USAGE, file=sys.stderr)
         sys.exit(2)
