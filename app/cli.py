@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from app import default_model
+from app import default_model, logs
 from app.config import Settings
 
 log = logging.getLogger("vbatch")
@@ -94,8 +94,7 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
+    logs.configure()
     if not argv or argv[0] not in ("serve", "run"):
         print(USAGE, file=sys.stderr)
         sys.exit(2)

@@ -11,7 +11,7 @@ from typing import Literal
 
 from sqlalchemy.engine import Engine
 
-from app import batches, clock
+from app import batches, clock, logs
 from app.config import Settings
 from app.engine.runner import Context, run_batch
 from app.storage import Storage
@@ -70,6 +70,7 @@ class EngineService:
             slots=asyncio.Semaphore(max_in_flight),
         )
         self.state = "ok"
+        logs.ensure_enabled()
         log.info("engine ready: serving %s, up to %d requests in flight", self.served_models, max_in_flight)
         await self._schedule(ctx)
 

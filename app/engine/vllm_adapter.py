@@ -206,17 +206,7 @@ async def live_engine(args: argparse.Namespace) -> AsyncIterator[ServingLayer]:
         state = State()
         supported_tasks = await engine_client.get_supported_tasks()
         await server.init_app_state(engine_client, state, args, supported_tasks)
-        _undo_leaked_logging_disable()
         yield ServingLayer(engine_client, state)
-
-
-def _undo_leaked_logging_disable() -> None:
-    """vLLM's `suppress_logging` calls logging.disable(INFO) with no try/finally; on the CUDA build (0.26) it
-    stayed in force after engine start, which silenced every INFO line of this process (batch progress too)."""
-    import logging
-
-    if logging.root.manager.disable >= logging.INFO:
-        logging.disable(logging.NOTSET)
 
 
 def apply_batch_defaults(args: argparse.Namespace) -> None:
