@@ -18,6 +18,7 @@ from app import batches, clock, files
 from app.batches import Progress
 from app.config import Settings
 from app.engine.execution import Executor, run_lines
+from app.engine.resume import finished_lines
 from app.ids import new_id
 from app.models import BatchRow, FileRow
 from app.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, Outcome, add_usage, error_outcome, line_for
@@ -54,7 +55,7 @@ async def run_batch(ctx: Context, batch_id: str) -> None:
     row = batches.get(db=ctx.db, batch_id=batch_id)
     if row.status == "validating":
         row = await _validate(ctx, row)
-    if row.status in ("in_progress", "cancelling") and row.in_progress_at is not None:
+    if row.status in ("in_progress", "cancelling", "finalizing") and row.in_progress_at is not None:
         await BatchRun(ctx, row).run()
     elif row.status == "cancelling":
         batches.transition(db=ctx.db, batch_id=row.id, to="cancelled")
@@ -104,8 +105,12 @@ class BatchRun:
         self.last_log = self.started
 
     async def run(self) -> None:
+        await self._resume()
         await self.output.open()
         await self.errors.open()
+        if self.row.status == "finalizing":  # stopped while publishing: every line already has its result
+            await self._finish("completed")
+            return
         stop_status = None
         try:
             if self.row.status == "in_progress" and not self._expired():
@@ -119,6 +124,20 @@ class BatchRun:
         else:
             await self._fill_unfinished(stop_status)
             await self._finish(stop_status)
+
+    async def _resume(self) -> None:
+        """After a restart, results already in the part files count as done and are not sent to the engine."""
+        input_path = self.ctx.storage.path(self.row.input_file_id)
+        finished = await asyncio.to_thread(finished_lines, input_path, self.output.path, self.errors.path)
+        self.done, self.progress = finished.lines, finished.progress
+        self.output.lines, self.errors.lines = finished.output_lines, finished.error_lines
+        if self.done:
+            log.info("batch %s: resuming, %d of %d lines already done", self.row.id, len(self.done), self.row.total)
+
+    def _pending_lines(self):
+        return (
+            line for line in request_lines(self.ctx.storage.path(self.row.input_file_id)) if line[0] not in self.done
+        )
 
     def _expired(self) -> bool:
         return self.row.expires_at is not None and clock.now() >= self.row.expires_at
@@ -137,7 +156,7 @@ class BatchRun:
                 ctx.feed_lock.release()
 
         await ctx.feed_lock.acquire()
-        lines = request_lines(ctx.storage.path(self.row.input_file_id))
+        lines = self._pending_lines()
         work = asyncio.create_task(
             run_lines(
                 lines,
@@ -217,14 +236,13 @@ class BatchRun:
         code, message = (
             ("batch_cancelled", CANCELLED_MESSAGE) if status == "cancelled" else ("batch_expired", EXPIRED_MESSAGE)
         )
-        for number, request in request_lines(self.ctx.storage.path(self.row.input_file_id)):
-            if number not in self.done:
-                self._record(number, error_outcome(request["custom_id"], code, message))
+        for number, request in self._pending_lines():
+            self._record(number, error_outcome(request["custom_id"], code, message))
         await self._checkpoint()
 
     async def _finish(self, status: str) -> None:
         ctx = self.ctx
-        if status == "completed":
+        if status == "completed" and self.row.status != "finalizing":
             batches.transition(db=ctx.db, batch_id=self.row.id, to="finalizing")
         await self.output.close()
         await self.errors.close()

