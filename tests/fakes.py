@@ -13,12 +13,14 @@ MODEL = "fake-model"
 class FakeExecutor:
     def __init__(self) -> None:
         self.calls = 0
+        self.bodies: list[dict] = []
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
         self.answer_first: int | None = None
         self.gate = asyncio.Event()
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         self.calls += 1
+        self.bodies.append(body)
         if self.answer_first is not None and self.calls > self.answer_first:
             try:
                 await self.gate.wait()

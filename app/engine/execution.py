@@ -7,10 +7,13 @@ size of the file, and no task is built per line.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
+from app.engine.ordering import warm_up_body
 from app.results import Outcome, http_outcome
+
+GENERATIVE = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class Executor(Protocol):
@@ -22,7 +25,7 @@ OnOutcome = Callable[[int, Outcome], None]
 
 
 async def run_lines(
-    lines: Iterator[Line],
+    lines: AsyncIterator[Line],
     *,
     executor: Executor,
     endpoint: str,
@@ -36,22 +39,24 @@ async def run_lines(
     An exception from the executor (the engine died) cancels the other workers and propagates.
     """
     exhausted = False
+    pulling = asyncio.Lock()  # one async generator: one puller at a time
 
-    def next_line() -> Line | None:
+    async def next_line() -> Line | None:
         nonlocal exhausted
-        if exhausted:
-            return None
-        line = next(lines, None)
-        if line is None:
-            exhausted = True
-            if on_all_submitted is not None:
-                on_all_submitted()
-        return line
+        async with pulling:
+            if exhausted:
+                return None
+            line = await anext(lines, None)
+            if line is None:
+                exhausted = True
+                if on_all_submitted is not None:
+                    on_all_submitted()
+            return line
 
     async def worker() -> None:
         while True:
             async with slots:
-                line = next_line()
+                line = await next_line()
                 if line is None:
                     return
                 number, request = line
@@ -85,7 +90,12 @@ async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
         await asyncio.gather(*pending)
 
 
-async def every(seconds: float, action: Callable[[], Awaitable[None]]) -> None:
-    while True:
-        await asyncio.sleep(seconds)
-        await action()
+def warmer(executor: Executor, endpoint: str) -> Callable[[dict], Awaitable[None]] | None:
+    """A one-token request ahead of each shared-prefix group (generation endpoints only); its answer is dropped."""
+    if endpoint not in GENERATIVE:
+        return None
+
+    async def warm(body: dict) -> None:
+        await executor.execute(endpoint, warm_up_body(body))
+
+    return warm

@@ -10,11 +10,12 @@ import time
 from pathlib import Path
 
 from app.batches import Progress
-from app.engine.execution import run_lines
+from app.engine.execution import run_lines, warmer
+from app.engine.ordering import ordered_lines, plan
 from app.engine.vllm_adapter import live_engine
 from app.results import Outcome, add_usage, line_for
 from app.storage import ResultAppender
-from app.validation import Limits, numbered_lines, request_lines, validate_file
+from app.validation import Limits, numbered_lines, validate_file
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 MAX_REQUESTS = 10_000_000  # the offline runner has no OpenAI quota to mirror
@@ -66,8 +67,9 @@ async def run_file(args: argparse.Namespace, *, input_path: Path, output: Path, 
 
         started = time.monotonic()
         in_flight = serving.max_num_seqs * 2
+        groups = await asyncio.to_thread(plan, input_path)
         await run_lines(
-            request_lines(input_path),
+            ordered_lines(input_path, groups, skip=set(), warm=warmer(serving, endpoint)),
             executor=serving,
             endpoint=endpoint,
             slots=asyncio.Semaphore(in_flight),

@@ -17,7 +17,8 @@ from sqlalchemy.engine import Engine
 from app import batches, clock, files
 from app.batches import Progress
 from app.config import Settings
-from app.engine.execution import Executor, run_lines
+from app.engine.execution import Executor, run_lines, warmer
+from app.engine.ordering import ordered_lines, plan
 from app.engine.resume import finished_lines
 from app.ids import new_id
 from app.models import BatchRow, FileRow
@@ -155,8 +156,10 @@ class BatchRun:
                 released = True
                 ctx.feed_lock.release()
 
+        input_path = ctx.storage.path(self.row.input_file_id)
+        groups = await asyncio.to_thread(plan, input_path)
         await ctx.feed_lock.acquire()
-        lines = self._pending_lines()
+        lines = ordered_lines(input_path, groups, skip=self.done, warm=warmer(ctx.executor, self.row.endpoint))
         work = asyncio.create_task(
             run_lines(
                 lines,
