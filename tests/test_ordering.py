@@ -6,7 +6,6 @@ import asyncio
 from collections import Counter
 
 from app.engine.ordering import PREFIX_CHARS, ordered_lines, plan, warm_up_body
-from tests.fakes import FakeEngineService
 from tests.helpers import create_batch, jsonl, read_jsonl, upload, wait_status
 
 INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABC"}
