@@ -8,6 +8,7 @@ from pathlib import Path
 
 import aiofiles
 import aiofiles.os
+from aiofiles.threadpool.binary import AsyncBufferedIOBase
 
 CHUNK_BYTES = 1 << 20
 
@@ -85,7 +86,7 @@ class ResultAppender:
         self.path = path
         self._buffer: list[bytes] = []
         self.lines = 0
-        self._file = None
+        self._file: AsyncBufferedIOBase | None = None
 
     async def open(self) -> None:
         self._file = await aiofiles.open(self.path, "ab")

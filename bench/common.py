@@ -102,7 +102,9 @@ class BatchRun:
         }
 
 
-def run_batch_through_sdk(base_url: str, input_path: Path, timeout: float = 1800) -> BatchRun:
+def run_batch_through_sdk(
+    base_url: str, input_path: Path, endpoint: str = "/v1/chat/completions", timeout: float = 1800
+) -> BatchRun:
     """Upload, create, and poll as a user would; a second thread polls GET /v1/batches/{id} back to back."""
     from openai import OpenAI
 
@@ -110,7 +112,7 @@ def run_batch_through_sdk(base_url: str, input_path: Path, timeout: float = 1800
     result = BatchRun()
     uploaded = client.files.create(file=input_path.open("rb"), purpose="batch")
     created_at = time.monotonic()
-    batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h")
+    batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
     stop = threading.Event()
 
     def hammer() -> None:
