@@ -50,7 +50,7 @@ openapi: $(VENV)/.installed
 	$(BIN)/python -m app.openapi_dump > openapi.yaml
 
 bench-cpu: setup
-	$(BIN)/python -m bench.compare --model $(MODEL_DIR) --no-dummy --prompts 160 --max-tokens 64 \
+	$(BIN)/python -m bench.compare --model $(MODEL_DIR) --no-dummy --prompts 48 --max-tokens 32 \
 	  --max-model-len 2048 --eager --out bench/out-cpu --meta '{"machine": "cpu, 2 cores"}'
 	cp bench/out-cpu/results.json bench/results/cpu.json
 

@@ -56,9 +56,6 @@ def _from_validation(exc: RequestValidationError) -> APIError:
     return bad_request(f"Invalid value for '{param}': {first.get('msg')}.", param=param, code="invalid_value")
 
 
-_STATUS_TYPES = {401: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error"}
-
-
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -73,7 +70,7 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
-        kind = _STATUS_TYPES.get(exc.status_code, "invalid_request_error" if exc.status_code < 500 else "server_error")
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _respond(APIError(exc.status_code, message, type=kind))
 
     @app.exception_handler(Exception)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from sqlalchemy.engine import Engine
-from sqlmodel import col, select
+from sqlmodel import col
 
 from app import clock
 from app.db import session_scope
@@ -110,7 +110,3 @@ async def delete(*, db: Engine, storage: Storage, file_id: str) -> None:
         session.commit()
     await storage.delete(file_id)
 
-
-def ids_with_purpose(*, db: Engine, purpose: str) -> list[str]:
-    with session_scope(db) as session:
-        return list(session.exec(select(FileRow.id).where(FileRow.purpose == purpose)).all())

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -147,5 +147,3 @@ class HealthStatus(BaseModel):
     status: Literal["ok", "starting", "down"]
     model: str | None
 
-
-JSONObject = dict[str, Any]

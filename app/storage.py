@@ -52,17 +52,6 @@ class Storage:
             while chunk := await src.read(CHUNK_BYTES):
                 yield chunk
 
-    async def read_lines(self, name: str) -> AsyncIterator[bytes]:
-        """Lines without their terminator, read a chunk at a time (one thread hop per MiB, not per line)."""
-        pending = b""
-        async for chunk in self.read_chunks(name):
-            lines = (pending + chunk).split(b"\n")
-            pending = lines.pop()
-            for line in lines:
-                yield line
-        if pending:
-            yield pending
-
     def open_appender(self, name: str) -> ResultAppender:
         return ResultAppender(self.path(name))
 

@@ -4,7 +4,7 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from app.api.deps import EngineDep
-from app.schemas import ErrorResponse, HealthStatus, Model, ModelList
+from app.schemas import HealthStatus, Model, ModelList
 
 router = APIRouter(tags=["system"])
 
@@ -21,5 +21,3 @@ def health(engine: EngineDep) -> JSONResponse:
     status = HealthStatus(status=engine.state, model=engine.model_name)
     return JSONResponse(status.model_dump(), status_code=200 if engine.state == "ok" else 503)
 
-
-__all__ = ["ErrorResponse", "router"]

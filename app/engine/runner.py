@@ -43,11 +43,6 @@ class Context:
     feed_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-class StopRun(Exception):
-    def __init__(self, status: str) -> None:
-        self.status = status
-
-
 def part_names(batch_id: str) -> tuple[str, str]:
     return f"{batch_id}.output.part", f"{batch_id}.error.part"
 
