@@ -51,7 +51,7 @@ openapi: $(VENV)/.installed
 
 bench-cpu: setup
 	$(BIN)/python -m bench.compare --model $(MODEL_DIR) --no-dummy --prompts 48 --max-tokens 32 \
-	  --max-model-len 2048 --eager --out bench/out-cpu --meta '{"machine": "cpu, 2 cores"}'
+	  --max-model-len 2048 --eager --no-poll-load --out bench/out-cpu --meta '{"machine": "cpu, 2 cores"}'
 	cp bench/out-cpu/results.json bench/results/cpu.json
 
 clean:

@@ -36,6 +36,15 @@ def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict) ->
                                   "body": body}) + "\n")  # fmt: skip
 
 
+def run_logged(command: list[str], log: Path, timeout: float) -> str:
+    """Runs a side of a comparison from the repository root: stderr to its log, stdout returned."""
+    with log.open("w") as sink:
+        finished = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout)
+    if finished.returncode != 0:
+        raise RuntimeError(f"{command[:4]} exited {finished.returncode}; see {log}")
+    return finished.stdout
+
+
 class VbatchServer:
     """`vbatch serve` in its own process group, so that stopping it stops the engine too."""
 
@@ -53,14 +62,14 @@ class VbatchServer:
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}")
+                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}; see {self.log.name}")
             try:
                 if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
                     return time.monotonic() - self.started
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError("vbatch serve did not become ready")
+        raise RuntimeError(f"vbatch serve was not ready in {timeout} s; see {self.log.name}")
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -103,9 +112,14 @@ class BatchRun:
 
 
 def run_batch_through_sdk(
-    base_url: str, input_path: Path, endpoint: str = "/v1/chat/completions", timeout: float = 1800
+    base_url: str,
+    input_path: Path,
+    endpoint: str = "/v1/chat/completions",
+    timeout: float = 1800,
+    hammer: bool = True,
 ) -> BatchRun:
-    """Upload, create, and poll as a user would; a second thread polls GET /v1/batches/{id} back to back."""
+    """Upload, create, and poll as a user would; with `hammer`, a second thread polls GET /v1/batches/{id} back to
+    back to measure the API's latency under load (off on 2-core machines, where it would steal the engine's CPU)."""
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{base_url}/v1", api_key="bench", max_retries=0)
@@ -115,7 +129,7 @@ def run_batch_through_sdk(
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
     stop = threading.Event()
 
-    def hammer() -> None:
+    def poll_latencies() -> None:
         with httpx.Client() as http:
             while not stop.is_set():
                 start = time.perf_counter()
@@ -123,8 +137,9 @@ def run_batch_through_sdk(
                 result.poll_latencies_ms.append((time.perf_counter() - start) * 1000)
                 time.sleep(0.01)
 
-    poller = threading.Thread(target=hammer, daemon=True)
-    poller.start()
+    poller = threading.Thread(target=poll_latencies, daemon=True)
+    if hammer:
+        poller.start()
     generating_from = None
     while time.monotonic() - created_at < timeout:
         batch = client.batches.retrieve(batch.id)
@@ -135,7 +150,8 @@ def run_batch_through_sdk(
         time.sleep(0.1)
     done_at = time.monotonic()
     stop.set()
-    poller.join()
+    if hammer:
+        poller.join()
     result.turnaround_s = done_at - created_at
     result.generating_s = done_at - (generating_from or created_at)
     counts, usage = batch.request_counts, batch.usage

@@ -4,8 +4,8 @@ tickets: same engine, same prompts, same sampling, one process tree. Prints a ta
 GPU (one device call, docs/benchmarks.md):
   . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.compare --model $BENCH_MODEL --out /tmp/gb
 CPU (`make bench-cpu`):
-  .venv/bin/python -m bench.compare --model data/models/SmolLM2-135M-Instruct --no-dummy --prompts 160 \
-      --max-tokens 64 --max-model-len 2048 --eager --out bench/out-cpu
+  .venv/bin/python -m bench.compare --model data/models/SmolLM2-135M-Instruct --no-dummy --prompts 48 \
+      --max-tokens 32 --max-model-len 2048 --eager --no-poll-load --out bench/out-cpu
 """
 
 from __future__ import annotations
@@ -13,12 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, VbatchServer, run_batch_through_sdk, write_ticket_batch
+from bench.common import VbatchServer, run_batch_through_sdk, run_logged, write_ticket_batch
 
 SERVED = "bench-model"
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
@@ -38,7 +37,7 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
         warmup = out / "warmup.jsonl"
         write_ticket_batch(warmup, 8, model=SERVED, sampling={**SAMPLING, "max_tokens": 4})
         run_batch_through_sdk(server.base_url, warmup)
-        measured = run_batch_through_sdk(server.base_url, tickets)
+        measured = run_batch_through_sdk(server.base_url, tickets, hammer=args.poll_load)
         return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary()}
     finally:
         server.stop()
@@ -50,7 +49,7 @@ def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     )
     command = [sys.executable, "-m", "bench.llm_chat_side", "--input", str(tickets), "--model", args.model,
                "--max-model-len", str(args.max_model_len), "--extra", extra]  # fmt: skip
-    return _json_tail(_run(command, out / "llm-chat.log", timeout=400))
+    return _json_tail(run_logged(command, out / "llm-chat.log", timeout=400))
 
 
 def run_batch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
@@ -58,7 +57,7 @@ def run_batch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(tickets), "-o", str(results),
                *engine_flags(args)]  # fmt: skip
     started = time.monotonic()
-    _run(command, out / "run-batch.log", timeout=400)
+    run_logged(command, out / "run-batch.log", timeout=400)
     whole = time.monotonic() - started
     tokens = cached = 0
     for line in results.read_text().splitlines():
@@ -66,14 +65,6 @@ def run_batch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
         tokens += usage.get("completion_tokens", 0)
         cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     return {"side": "vllm_run_batch", "whole_s": round(whole, 2), "output_tokens": tokens, "cached_tokens": cached}
-
-
-def _run(command: list[str], log: Path, timeout: float) -> str:
-    with log.open("w") as sink:
-        finished = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout)
-    if finished.returncode != 0:
-        raise RuntimeError(f"{command[:4]} exited {finished.returncode}; see {log}")
-    return finished.stdout
 
 
 def _json_tail(stdout: str) -> dict:
@@ -89,6 +80,12 @@ def main() -> None:
     parser.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="dummy weights")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager on every side (CPU: no compile)")
     parser.add_argument("--max-tokens", type=int, default=SAMPLING["max_tokens"])
+    parser.add_argument(
+        "--poll-load",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="poll GET /v1/batches/{id} back to back while the batch runs (p99 latency)",
+    )
     parser.add_argument("--sides", default="vbatch,llm_chat,run_batch")
     parser.add_argument("--meta", default="{}", help="JSON merged into the result (commit, date, machine)")
     args = parser.parse_args()

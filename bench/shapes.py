@@ -14,12 +14,11 @@ import argparse
 import json
 import random
 import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from bench.common import ROOT, VbatchServer, run_batch_through_sdk
+from bench.common import VbatchServer, run_batch_through_sdk, run_logged
 
 SERVED = "bench-model"
 TASKS = 8
@@ -61,14 +60,6 @@ def shared_prefix_batch(path: Path, rows: int, max_tokens: int) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def run(command: list[str], log: Path, timeout: float) -> str:
-    with log.open("w") as sink:
-        finished = subprocess.run(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=sink, text=True, timeout=timeout)
-    if finished.returncode != 0:
-        raise RuntimeError(f"{command[:4]} exited {finished.returncode}; see {log}")
-    return finished.stdout
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", required=True)
@@ -107,7 +98,7 @@ def main() -> None:
                  "--max-model-len", str(args.max_model_len), "--load-format", "dummy", "--dataset-name", "random",
                  "--random-input-len", "1024", "--random-output-len", "256", "--num-prompts", "1000"]  # fmt: skip
         started = time.monotonic()
-        stdout = run(bench, args.out / "bench-throughput.log", timeout=300)
+        stdout = run_logged(bench, args.out / "bench-throughput.log", timeout=300)
         text = stdout + (args.out / "bench-throughput.log").read_text()
         found = re.search(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s", text)
         record("vllm_bench_throughput", {
@@ -124,7 +115,7 @@ def main() -> None:
         command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(prefix_file), "-o",
                    str(output), "--enable-prompt-tokens-details", *flags]  # fmt: skip
         started = time.monotonic()
-        run(command, args.out / "run-batch-prefix.log", timeout=300)
+        run_logged(command, args.out / "run-batch-prefix.log", timeout=300)
         whole = time.monotonic() - started
         usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
                  for x in output.read_text().splitlines()]  # fmt: skip

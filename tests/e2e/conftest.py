@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 from openai import OpenAI
 
 from app import default_model
+from bench.common import VbatchServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model.NAME
@@ -46,53 +42,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class Server:
-    def __init__(self, data_dir: Path, model_path: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        env = {
-            **os.environ,
-            "VBATCH_COMPLETION_WINDOWS": f"24h,{TEST_WINDOW}",
-            "VBATCH_MAX_IN_FLIGHT": "8",
-            "VBATCH_PROGRESS_LOG_SECONDS": "2",
-        }
-        command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(self.port)]
-        self.log = log_path.open("wb")
-        self.process = subprocess.Popen(
-            command + engine_flags(model_path), env=env, stdout=self.log, stderr=subprocess.STDOUT, cwd=ROOT,
-            start_new_session=True,
-        )  # fmt: skip
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_SECONDS
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(1)
-        raise RuntimeError(f"vbatch serve was not ready in {STARTUP_SECONDS} s; see {self.log.name}")
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
-
-
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, model_path) -> Iterator[Server]:
+def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
     base = tmp_path_factory.mktemp("vbatch-e2e")
-    running = Server(base / "data", model_path, base / "serve.log")
+    env = {
+        "VBATCH_COMPLETION_WINDOWS": f"24h,{TEST_WINDOW}",
+        "VBATCH_MAX_IN_FLIGHT": "8",
+        "VBATCH_PROGRESS_LOG_SECONDS": "2",
+    }
+    running = VbatchServer(base / "data", free_port(), engine_flags(model_path), base / "serve.log", env=env)
     try:
-        running.wait_ready()
+        running.wait_ready(timeout=STARTUP_SECONDS)
         yield running
     finally:
         running.stop()
