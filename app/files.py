@@ -109,4 +109,3 @@ async def delete(*, db: Engine, storage: Storage, file_id: str) -> None:
         session.delete(row)
         session.commit()
     await storage.delete(file_id)
-

@@ -146,4 +146,3 @@ class ErrorResponse(BaseModel):
 class HealthStatus(BaseModel):
     status: Literal["ok", "starting", "down"]
     model: str | None
-

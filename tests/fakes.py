@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+from app.engine.execution import EngineDead
 from app.engine.service import EngineService
 
 MODEL = "fake-model"
@@ -29,6 +30,8 @@ class FakeExecutor:
                 return 400, {
                     "error": {"message": "Client disconnected", "type": "BadRequestError", "param": None, "code": 400}
                 }
+        if body.get("seed") == 1:  # as a seeded request kills the CPU engine (FACTS)
+            raise EngineDead("engine core died")
         if body.get("max_tokens", 1) < 0:
             return 400, {
                 "error": {

@@ -174,3 +174,15 @@ def test_models_and_health(client):
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake-model"]
     assert models["data"][0]["object"] == "model"
+
+
+def test_engine_death_keeps_results_and_the_api_up(client, fake_engine):
+    fake_engine.executor.answer_first = None
+    lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
+    source = upload(client, jsonl(lines))
+    batch = create_batch(client, source["id"])
+    wait_for(lambda: client.get("/health").status_code == 503)
+    assert client.get("/health").json()["status"] == "down"
+    current = client.get(f"/v1/batches/{batch['id']}").json()
+    assert current["status"] == "in_progress"
+    assert client.get("/v1/files").status_code == 200

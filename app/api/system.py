@@ -20,4 +20,3 @@ def list_models(engine: EngineDep) -> ModelList:
 def health(engine: EngineDep) -> JSONResponse:
     status = HealthStatus(status=engine.state, model=engine.model_name)
     return JSONResponse(status.model_dump(), status_code=200 if engine.state == "ok" else 503)
-

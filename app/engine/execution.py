@@ -20,6 +20,10 @@ class Executor(Protocol):
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]: ...
 
 
+class EngineDead(Exception):
+    """The engine process is gone; every request in flight failed with it."""
+
+
 Line = tuple[int, dict]
 OnOutcome = Callable[[int, Outcome], None]
 

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 
 from app import batches, clock, logs
 from app.config import Settings
+from app.engine.execution import EngineDead
 from app.engine.runner import Context, run_batch
 from app.storage import Storage
 
@@ -33,6 +34,8 @@ class EngineService:
         self._stack = AsyncExitStack()
         self._loop_task: asyncio.Task | None = None
         self._running: dict[str, asyncio.Task] = {}
+        # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
+        self._broken: set[str] = set()
 
     def wake(self) -> None:
         self._wake.set()
@@ -85,10 +88,10 @@ class EngineService:
         return serving
 
     async def _schedule(self, ctx: Context) -> None:
-        while True:
+        while self.state == "ok":
             self._wake.clear()
             for row in batches.active(db=ctx.db):
-                if row.id not in self._running:
+                if row.id not in self._running and row.id not in self._broken:
                     self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=POLL_SECONDS)
@@ -98,8 +101,13 @@ class EngineService:
             await run_batch(ctx, batch_id)
         except asyncio.CancelledError:
             raise
+        except EngineDead:
+            # Finished results are on disk and the batch stays in_progress: the next start resumes it.
+            log.error("batch %s: the engine died; /health is 503 until vbatch serve is restarted", batch_id)
+            self.state = "down"
         except Exception:
-            log.exception("batch %s: the engine loop failed on it; it stays as it is", batch_id)
+            log.exception("batch %s: the engine loop failed on it; it stays as it is until the next start", batch_id)
+            self._broken.add(batch_id)
         finally:
             self._running.pop(batch_id, None)
             self.wake()

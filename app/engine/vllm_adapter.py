@@ -20,6 +20,8 @@ from typing import Any
 import vllm
 from starlette.datastructures import State
 
+from app.engine.execution import EngineDead
+
 VLLM_VERSION: str = vllm.__version__
 
 
@@ -43,10 +45,6 @@ def _cli_args_module() -> Any:
 
 def _run_batch_module() -> Any:
     return _first_module("vllm.entrypoints.launchers.run_batch", "vllm.entrypoints.openai.run_batch")
-
-
-class EngineDead(Exception):
-    """The engine process is gone; every request in flight failed with it."""
 
 
 def serve_parser(prog: str) -> argparse.ArgumentParser:
