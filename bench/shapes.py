@@ -1,16 +1,13 @@
-"""Two more GPU comparisons in one device call (docs/benchmarks.md):
+"""Two more GPU workloads (bench/gpu.py runs them with the ticket comparison in one device call):
 
 1. The seed's `vllm bench throughput` shape (1,000 random prompts, 1,024 tokens in, 256 out, ignore_eos) through the
    warm vbatch service as a /v1/completions batch of token-id prompts, against `vllm bench throughput` itself.
 2. Shared prefixes: 2,000 lines, 8 tasks, each line a ~2,000-token instruction block of its task and a short row,
    in shuffled order, through vbatch (which regroups them) and through `vllm run-batch`.
-
-  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.shapes --model $BENCH_MODEL --out /tmp/gs
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import re
@@ -18,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import VbatchServer, run_batch_through_sdk, run_logged
+from bench.common import run_batch_through_sdk, run_logged
 
 SERVED = "bench-model"
 TASKS = 8
@@ -60,74 +57,41 @@ def shared_prefix_batch(path: Path, rows: int, max_tokens: int) -> None:
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--vocab", type=int, default=150_000)
-    parser.add_argument("--meta", default="{}")
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    random_file, prefix_file = args.out / "random.jsonl", args.out / "prefix.jsonl"
-    random_token_batch(random_file, 1000, 1024, 256, args.vocab)
-    shared_prefix_batch(prefix_file, 2000, 32)
-    flags = ["--model", args.model, "--served-model-name", SERVED, "--max-model-len", str(args.max_model_len),
-             "--load-format", "dummy"]  # fmt: skip
-    results: dict = {"meta": json.loads(args.meta), "sides": {}}
-
-    def record(name: str, value: dict) -> None:
-        results["sides"][name] = value
-        print(json.dumps({name: value}), flush=True)
-        (args.out / "results.json").write_text(json.dumps(results, indent=2))
-
-    server = VbatchServer(args.out / "vbatch-data", 8124, flags, args.out / "vbatch-serve.log")
-    try:
-        record("vbatch_engine_start_s", {"s": round(server.wait_ready(timeout=300), 2)})
-        record(
-            "vbatch_random_1024_256", run_batch_through_sdk(server.base_url, random_file, "/v1/completions").summary()
-        )
-        record("vbatch_shared_prefix", run_batch_through_sdk(server.base_url, prefix_file).summary())
-    except Exception as exc:
-        record("vbatch_error", {"error": f"{type(exc).__name__}: {exc}"})
-    finally:
-        server.stop()
-
-    try:
-        bench = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "throughput", *flags[:2],
-                 "--max-model-len", str(args.max_model_len), "--load-format", "dummy", "--dataset-name", "random",
-                 "--random-input-len", "1024", "--random-output-len", "256", "--num-prompts", "1000"]  # fmt: skip
-        started = time.monotonic()
-        stdout = run_logged(bench, args.out / "bench-throughput.log", timeout=300)
-        text = stdout + (args.out / "bench-throughput.log").read_text()
-        found = re.search(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s", text)
-        record("vllm_bench_throughput", {
-            "whole_s": round(time.monotonic() - started, 2),
-            "requests_per_s": float(found.group(1)) if found else None,
-            "total_tokens_per_s": float(found.group(2)) if found else None,
-            "output_tokens_per_s": float(found.group(3)) if found else None,
-        })  # fmt: skip
-    except Exception as exc:
-        record("vllm_bench_throughput", {"error": f"{type(exc).__name__}: {exc}"})
-
-    try:
-        output = args.out / "run-batch-prefix.jsonl"
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(prefix_file), "-o",
-                   str(output), "--enable-prompt-tokens-details", *flags]  # fmt: skip
-        started = time.monotonic()
-        run_logged(command, args.out / "run-batch-prefix.log", timeout=300)
-        whole = time.monotonic() - started
-        usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
-                 for x in output.read_text().splitlines()]  # fmt: skip
-        record("run_batch_shared_prefix", {
-            "whole_s": round(whole, 2),
-            "output_tokens": sum(u.get("completion_tokens", 0) for u in usage),
-            "input_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
-            "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage),
-        })  # fmt: skip
-    except Exception as exc:
-        record("run_batch_shared_prefix", {"error": f"{type(exc).__name__}: {exc}"})
+def vbatch_sides(base_url: str, random_file: Path, prefix_file: Path) -> dict[str, dict]:
+    return {
+        "vbatch_random_1024_256": run_batch_through_sdk(base_url, random_file, "/v1/completions").summary(),
+        "vbatch_shared_prefix": run_batch_through_sdk(base_url, prefix_file).summary(),
+    }
 
 
-if __name__ == "__main__":
-    main()
+def bench_throughput_side(model: str, max_model_len: int, out: Path) -> dict:
+    command = [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "throughput", "--model", model,
+               "--max-model-len", str(max_model_len), "--load-format", "dummy", "--dataset-name", "random",
+               "--random-input-len", "1024", "--random-output-len", "256", "--num-prompts", "1000"]  # fmt: skip
+    started = time.monotonic()
+    stdout = run_logged(command, out / "bench-throughput.log", timeout=300)
+    text = stdout + (out / "bench-throughput.log").read_text()
+    found = re.search(r"Throughput: ([\d.]+) requests/s, ([\d.]+) total tokens/s, ([\d.]+) output tokens/s", text)
+    return {
+        "whole_s": round(time.monotonic() - started, 2),
+        "requests_per_s": float(found.group(1)) if found else None,
+        "total_tokens_per_s": float(found.group(2)) if found else None,
+        "output_tokens_per_s": float(found.group(3)) if found else None,
+    }
+
+
+def run_batch_prefix_side(prefix_file: Path, flags: list[str], out: Path) -> dict:
+    output = out / "run-batch-prefix.jsonl"
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(prefix_file), "-o", str(output),
+               "--enable-prompt-tokens-details", *flags]  # fmt: skip
+    started = time.monotonic()
+    run_logged(command, out / "run-batch-prefix.log", timeout=300)
+    whole = time.monotonic() - started
+    usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
+             for x in output.read_text().splitlines()]  # fmt: skip
+    return {
+        "whole_s": round(whole, 2),
+        "output_tokens": sum(u.get("completion_tokens", 0) for u in usage),
+        "input_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
+        "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage),
+    }

@@ -1,0 +1,64 @@
+"""The whole GPU comparison in one device call (docs/benchmarks.md): one warm vbatch service runs the seed's
+tickets, the `vllm bench throughput` shape and the shared-prefix file; then `LLM.chat` and `vllm run-batch` on the
+tickets, `vllm bench throughput`, and `vllm run-batch` on the shared-prefix file. Results land in --results after
+every side, so a run cut short still reports what it finished.
+
+  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.gpu --model $BENCH_MODEL --out /tmp/g \\
+      --results $OUT/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from bench import compare, shapes
+from bench.common import VbatchServer, run_batch_through_sdk, write_ticket_batch
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--meta", default="{}")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
+    flags = compare.engine_flags(engine)
+    tickets, random_file, prefix_file = (args.out / n for n in ("tickets.jsonl", "random.jsonl", "prefix.jsonl"))
+    write_ticket_batch(tickets, 2000, model=compare.SERVED, sampling=compare.SAMPLING)
+    shapes.random_token_batch(random_file, 1000, 1024, 256, vocab=150_000)
+    shapes.shared_prefix_batch(prefix_file, 2000, 32)
+    results: dict = {"meta": json.loads(args.meta), "sides": {}}
+
+    def side(name: str, measure: Callable[[], dict]) -> None:
+        try:
+            results["sides"][name] = measure()
+        except Exception as exc:  # keep the other sides' numbers
+            results["sides"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps({name: results["sides"][name]}), flush=True)
+        args.results.write_text(json.dumps(results, indent=2))
+
+    server = VbatchServer(args.out / "vbatch-data", 8125, flags, args.out / "vbatch-serve.log")
+    try:
+        side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
+        warmup = args.out / "warmup.jsonl"
+        write_ticket_batch(warmup, 8, model=compare.SERVED, sampling={**compare.SAMPLING, "max_tokens": 4})
+        run_batch_through_sdk(server.base_url, warmup)
+        side("vbatch_tickets", lambda: run_batch_through_sdk(server.base_url, tickets).summary())
+        for name, value in shapes.vbatch_sides(server.base_url, random_file, prefix_file).items():
+            side(name, lambda value=value: value)
+    finally:
+        server.stop()
+    side("llm_chat_tickets", lambda: compare.llm_chat_side(engine, tickets, args.out))
+    side("run_batch_tickets", lambda: compare.run_batch_side(engine, tickets, args.out))
+    side("vllm_bench_throughput", lambda: shapes.bench_throughput_side(args.model, args.max_model_len, args.out))
+    side("run_batch_shared_prefix", lambda: shapes.run_batch_prefix_side(prefix_file, flags, args.out))
+
+
+if __name__ == "__main__":
+    main()
