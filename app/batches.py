@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
@@ -179,9 +180,10 @@ def list_batches(*, db: Engine, limit: int, after: str | None) -> BatchList:
     )
 
 
-def transition(*, db: Engine, batch_id: str, to: str, **fields: object) -> BatchRow:
-    """Move a batch to `to`, stamping `<to>_at` once; fields are written in the same transaction."""
+def transition(*, db: Engine, batch_id: str, to: str, new_files: Sequence[FileRow] = (), **fields: object) -> BatchRow:
+    """Move a batch to `to`, stamping `<to>_at` once; fields and new file rows are written in the same transaction."""
     with write_scope(db) as session:
+        session.add_all(new_files)
         row = session.get(BatchRow, batch_id)
         if row is None:
             raise not_found("Batch", batch_id)
@@ -228,8 +230,9 @@ def update(*, db: Engine, batch_id: str, **fields: object) -> BatchRow:
     return row
 
 
-def save_progress(*, db: Engine, batch_id: str, progress: Progress) -> None:
-    update(db=db, batch_id=batch_id, **vars(progress))
+def save_checkpoint(*, db: Engine, batch_id: str, progress: Progress, output_bytes: int, error_bytes: int) -> None:
+    """Counts and usage together with the fsynced part-file lengths they describe, in one transaction."""
+    update(db=db, batch_id=batch_id, output_bytes_done=output_bytes, error_bytes_done=error_bytes, **vars(progress))
 
 
 def active(*, db: Engine) -> list[BatchRow]:

@@ -38,7 +38,10 @@ class Settings(BaseSettings):
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
     progress_log_seconds: float = 5.0
-    counts_flush_seconds: float = 0.5
+    # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
+    checkpoint_seconds: float = 0.5
+    # Times a line may kill the engine while running alone before it goes to the error file.
+    engine_deaths_per_line: int = 2
 
     @field_validator("completion_windows")
     @classmethod

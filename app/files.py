@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from sqlalchemy.engine import Engine
 from sqlmodel import col
 
-from app import clock
+from app import clock, failpoints
 from app.db import session_scope
 from app.errors import APIError, bad_request, not_found
 from app.ids import new_id
@@ -54,6 +54,7 @@ async def create_upload(
     except UploadTooLarge:
         message = f"File is too large. The limit is {max_bytes} bytes."
         raise APIError(413, message, param="file", code="file_too_large") from None
+    failpoints.crash_here(failpoints.UPLOAD_SAVED)
     created = clock.now()
     row = FileRow(
         id=file_id,

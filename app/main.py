@@ -18,6 +18,7 @@ from app.errors import install_error_handlers
 from app.ids import new_id
 from app.migrate import upgrade_to_head
 from app.storage import Storage
+from app.sweep import sweep_storage
 
 
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
@@ -26,6 +27,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         upgrade_to_head(settings.database_path)
         app.state.db = make_engine(settings.database_path)
         app.state.storage = Storage(settings.files_dir)
+        sweep_storage(db=app.state.db, storage=app.state.storage)
         await engine.start(db=app.state.db, storage=app.state.storage, settings=settings)
         try:
             yield

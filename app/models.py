@@ -54,3 +54,8 @@ class BatchRow(SQLModel, table=True):
     cached_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
+
+    # The last checkpoint: how many bytes of `<id>.output.part` / `<id>.error.part` are fsynced and counted above.
+    # A restart cuts the part files back to these lengths, so counts and files always agree.
+    output_bytes_done: int = 0
+    error_bytes_done: int = 0

@@ -144,5 +144,5 @@ class ErrorResponse(BaseModel):
 
 
 class HealthStatus(BaseModel):
-    status: Literal["ok", "starting", "down"]
+    status: Literal["ok", "starting", "restarting", "down"]
     model: str | None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -42,6 +43,7 @@ class Storage:
                 await out.flush()
                 os.fsync(out.fileno())
             await aiofiles.os.replace(partial, final)
+            _fsync_dir(self.root)
         except BaseException:
             partial.unlink(missing_ok=True)
             raise
@@ -52,11 +54,45 @@ class Storage:
             while chunk := await src.read(CHUNK_BYTES):
                 yield chunk
 
+    async def open_prefix(self, name: str, length: int | None = None) -> tuple[AsyncIterator[bytes], int] | None:
+        """The first `length` bytes (all if None) of a file, opened now so that a later rename or unlink cannot
+        cut the stream short; None if there is no such file."""
+        try:
+            handle = await aiofiles.open(self.path(name), "rb")
+        except FileNotFoundError:
+            return None
+        size = os.fstat(handle.fileno()).st_size
+        size = size if length is None else min(size, length)
+
+        async def chunks() -> AsyncIterator[bytes]:
+            left = size
+            try:
+                while left > 0 and (chunk := await handle.read(min(CHUNK_BYTES, left))):
+                    left -= len(chunk)
+                    yield chunk
+            finally:
+                await handle.close()
+
+        return chunks(), size
+
     def open_appender(self, name: str) -> ResultAppender:
         return ResultAppender(self.path(name))
 
     async def rename(self, old: str, new: str) -> None:
         await aiofiles.os.replace(self.path(old), self.path(new))
+
+    async def link(self, existing: str, new: str) -> None:
+        """A second name for the same bytes: publishing a result file keeps its part file until SQLite commits."""
+        await aiofiles.os.link(self.path(existing), self.path(new))
+        _fsync_dir(self.root)
+
+    def names(self) -> list[str]:
+        """Everything in the directory, temporary uploads included."""
+        return [entry.name for entry in self.root.iterdir() if entry.is_file()]
+
+    def remove_any(self, name: str) -> None:
+        """Delete by raw directory entry name (used by the startup sweep for temporary files too)."""
+        (self.root / name).unlink(missing_ok=True)
 
     async def size(self, name: str) -> int:
         return (await aiofiles.os.stat(self.path(name))).st_size
@@ -68,31 +104,56 @@ class Storage:
         return self.path(name).exists()
 
 
+def _fsync_dir(directory: Path) -> None:
+    """A rename or link is durable only once its directory is fsynced."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 class ResultAppender:
-    """Appends result lines; buffers them so that a line costs no system call of its own."""
+    """Appends result lines; buffers them so that a line costs no system call of its own.
+
+    `bytes` counts what reached the file; `take` + `write` let a checkpoint pair exactly those bytes with the
+    counts that describe them.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._buffer: list[bytes] = []
         self.lines = 0
+        self.bytes = 0
         self._file: AsyncBufferedIOBase | None = None
 
-    async def open(self) -> None:
+    async def open(self, *, keep_bytes: int | None = None) -> None:
+        """Open for appending; with `keep_bytes`, first cut the file back to that length (the last checkpoint)."""
+        if keep_bytes is not None and self.path.exists() and self.path.stat().st_size > keep_bytes:
+            os.truncate(self.path, keep_bytes)
         self._file = await aiofiles.open(self.path, "ab")
+        self.bytes = await self._file.tell()
 
     def add(self, line: bytes) -> None:
         self._buffer.append(line)
         self.lines += 1
 
-    async def flush(self, *, durable: bool = False) -> None:
+    def take(self) -> bytes:
+        data = b"".join(self._buffer)
+        self._buffer.clear()
+        return data
+
+    async def write(self, data: bytes, *, durable: bool = False) -> None:
         assert self._file is not None
-        if self._buffer:
-            data = b"".join(self._buffer)
-            self._buffer.clear()
+        if data:
             await self._file.write(data)
+            self.bytes += len(data)
         await self._file.flush()
         if durable:
-            os.fsync(self._file.fileno())
+            await asyncio.to_thread(os.fsync, self._file.fileno())
+
+    async def flush(self, *, durable: bool = False) -> None:
+        await self.write(self.take(), durable=durable)
 
     async def close(self) -> None:
         if self._file is not None:

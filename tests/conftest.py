@@ -16,7 +16,7 @@ from tests.fakes import FakeEngineService
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(data_dir=tmp_path / "data", completion_windows="24h,2s", counts_flush_seconds=0.05)
+    return Settings(data_dir=tmp_path / "data", completion_windows="24h,2s", checkpoint_seconds=0.05)
 
 
 @pytest.fixture

@@ -61,10 +61,18 @@ class FakeEngineService(EngineService):
     def __init__(self) -> None:
         super().__init__(None, MODEL)
         self.executor = FakeExecutor()
+        self.starts = 0
+        self.fail_restarts = False
 
     async def _start_engine(self):
+        self.starts += 1
+        if self.starts > 1 and self.fail_restarts:
+            raise RuntimeError("engine start failed")
         self.served_models = [MODEL]
         return _FakeServing(self.executor)
+
+    async def _stop_engine(self) -> None:
+        pass
 
 
 class _FakeServing:

@@ -176,8 +176,22 @@ def test_models_and_health(client):
     assert models["data"][0]["object"] == "model"
 
 
-def test_engine_death_keeps_results_and_the_api_up(client, fake_engine):
-    fake_engine.executor.answer_first = None
+def test_poison_line_goes_to_the_error_file_and_the_rest_succeed(client, fake_engine):
+    lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
+    source = upload(client, jsonl(lines))
+    batch = create_batch(client, source["id"])
+    done = wait_status(client, batch["id"], {"completed"})
+    assert done["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+    assert sorted(o["custom_id"] for o in read_jsonl(client, done["output_file_id"])) == [f"r{i}" for i in range(4)]
+    [error] = read_jsonl(client, done["error_file_id"])
+    assert error["custom_id"] == "poison" and error["error"]["code"] == "engine_crashed"
+    # One death with all five in flight, then two with the poison alone (engine_deaths_per_line = 2).
+    assert fake_engine.starts == 4
+    assert client.get("/health").json()["status"] == "ok"
+
+
+def test_engine_that_cannot_restart_keeps_results_and_the_api_up(client, fake_engine):
+    fake_engine.fail_restarts = True
     lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
     source = upload(client, jsonl(lines))
     batch = create_batch(client, source["id"])

@@ -45,7 +45,7 @@ def test_ordered_lines_warms_each_group_once_and_skips_done(tmp_path):
     path.write_bytes(jsonl(lines))
     warmed: list[str] = []
 
-    async def warm(body: dict) -> None:
+    async def warm(number: int, body: dict) -> None:
         warmed.append(body["messages"][0]["content"][:6])
 
     async def collect() -> list[str]:

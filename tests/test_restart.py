@@ -8,7 +8,7 @@ from collections import Counter
 
 from fastapi.testclient import TestClient
 
-from app.engine.runner import part_names
+from app.engine.parts import part_names
 from app.main import create_app
 from tests.fakes import FakeEngineService
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -24,8 +24,10 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
     output_part = settings.files_dir / part_names(batch["id"])[0]
     first_lines = output_part.read_bytes().splitlines()
     assert len(first_lines) == 5
-    # A crash mid-write leaves half a line behind; the restart must cut it off.
+    # Bytes after the last checkpoint (a whole line, then half of one, as a crash mid-write leaves them) are not
+    # counted in SQLite: the restart cuts them off and runs r19 again, so it still ends up exactly once.
     with output_part.open("ab") as torn:
+        torn.write(b'{"id":"batch_req_late","custom_id":"r19","response":null,"error":null}\n')
         torn.write(b'{"id":"batch_req_torn","custom_id":"r1')
 
     second_engine = FakeEngineService()
@@ -38,3 +40,40 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
     assert done["usage"]["input_tokens"] == 20 * 5
     # The lines written before the stop are kept as first written (same ids, same created times).
     assert {json.loads(line)["id"] for line in first_lines} <= {o["id"] for o in outputs}
+
+
+def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engine, settings):
+    fake_engine.executor.answer_first = 3
+    source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)] + [request_line("bad", max_tokens=-1)]))
+    batch = create_batch(client, source["id"])
+
+    def three_lines() -> list[dict] | None:
+        response = client.get(f"/v1/batches/{batch['id']}/partial_output")
+        assert response.status_code == 200
+        lines = [json.loads(line) for line in response.content.splitlines()]
+        return lines if len(lines) == 3 else None
+
+    early = three_lines() or wait_for(three_lines)
+    fake_engine.executor.gate.set()
+    done = wait_status(client, batch["id"], {"completed"})
+    final = read_jsonl(client, done["output_file_id"])
+    assert early == final[:3]
+    after = client.get(f"/v1/batches/{batch['id']}/partial_output").content
+    assert after == client.get(f"/v1/files/{done['output_file_id']}/content").content
+    errors = client.get(f"/v1/batches/{batch['id']}/partial_output", params={"kind": "error"})
+    assert [json.loads(line)["custom_id"] for line in errors.content.splitlines()] == ["bad"]
+    assert client.get(f"/v1/batches/{batch['id']}/partial_output", params={"kind": "x"}).status_code == 400
+    missing = client.get("/v1/batches/batch_nope/partial_output")
+    assert missing.status_code == 404 and missing.json()["error"]["param"] is not None
+
+
+def test_start_sweeps_what_a_crash_left_and_keeps_the_rest(settings):
+    with TestClient(create_app(settings, FakeEngineService())) as client:
+        kept = upload(client, jsonl([request_line("a")]))
+    files_dir = settings.files_dir
+    debris = [".file-torn.upload", "file-neverrecorded", "batch_gone.output.part"]
+    for name in debris:
+        (files_dir / name).write_bytes(b"{}\n")
+    with TestClient(create_app(settings, FakeEngineService())) as client:
+        assert client.get(f"/v1/files/{kept['id']}/content").content == jsonl([request_line("a")])
+    assert sorted(p.name for p in files_dir.iterdir()) == [kept["id"]]

@@ -46,5 +46,6 @@ def test_openapi_lists_every_endpoint():
     paths = served_openapi()["paths"]
     assert set(paths) == {
         "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
-        "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/models", "/health",
+        "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/batches/{batch_id}/partial_output",
+            "/v1/models", "/health",
     }  # fmt: skip

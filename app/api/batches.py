@@ -3,9 +3,11 @@ from __future__ import annotations
 from typing import Annotated
 
 from fastapi import APIRouter, Query
+from fastapi.responses import StreamingResponse
 
 from app import batches
-from app.api.deps import DbDep, EngineDep, SettingsDep
+from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
+from app.partial_output import Kind, open_partial
 from app.schemas import Batch, BatchList, CreateBatchRequest, ErrorResponse
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], responses={400: {"model": ErrorResponse}})
@@ -37,3 +39,21 @@ def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep) -> Batch:
     row = batches.request_cancel(db=db, batch_id=batch_id)
     engine.wake()
     return batches.to_wire(row)
+
+
+@router.get(
+    "/{batch_id}/partial_output",
+    response_class=StreamingResponse,
+    summary="Partial output (vbatch extension)",
+    description=(
+        "The result lines written so far: while the batch runs, those up to its last checkpoint (they will not "
+        "change); once it has ended, its whole output (or, with kind=error, error) file. Not part of OpenAI's API."
+    ),
+    responses={
+        200: {"content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}}},
+        404: {"model": ErrorResponse},
+    },
+)
+async def partial_output(batch_id: str, db: DbDep, storage: StorageDep, kind: Kind = "output") -> StreamingResponse:
+    chunks, size = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind)
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})

@@ -37,11 +37,14 @@ async def run_lines(
     workers: int,
     on_outcome: OnOutcome,
     on_all_submitted: Callable[[], None] | None = None,
+    in_flight: set[int] | None = None,
 ) -> None:
     """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
 
-    An exception from the executor (the engine died) cancels the other workers and propagates.
+    An exception from the executor (the engine died) cancels the other workers and propagates; `in_flight` then
+    holds the numbers of the lines that had been sent and have no outcome.
     """
+    sent: set[int] = set() if in_flight is None else in_flight
     exhausted = False
     pulling = asyncio.Lock()  # one async generator: one puller at a time
 
@@ -64,11 +67,13 @@ async def run_lines(
                 if line is None:
                     return
                 number, request = line
+                sent.add(number)
                 status, body = await executor.execute(endpoint, request["body"])
                 if _being_cancelled():
                     # vLLM's handlers turn an abort into a "client disconnected" error body; that request did
                     # not finish, so it gets no line here (cancel and expiry write theirs).
                     raise asyncio.CancelledError
+                sent.discard(number)
                 on_outcome(number, http_outcome(request["custom_id"], status, body))
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, workers))]
@@ -94,12 +99,19 @@ async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
         await asyncio.gather(*pending)
 
 
-def warmer(executor: Executor, endpoint: str) -> Callable[[dict], Awaitable[None]] | None:
+def warmer(
+    executor: Executor, endpoint: str, in_flight: set[int] | None = None
+) -> Callable[[int, dict], Awaitable[None]] | None:
     """A one-token request ahead of each shared-prefix group (generation endpoints only); its answer is dropped."""
     if endpoint not in GENERATIVE:
         return None
 
-    async def warm(body: dict) -> None:
+    async def warm(number: int, body: dict) -> None:
+        # Counted as its line in flight: if the engine dies on the warm-up, that line is the suspect.
+        if in_flight is not None:
+            in_flight.add(number)
         await executor.execute(endpoint, warm_up_body(body))
+        if in_flight is not None:
+            in_flight.discard(number)
 
     return warm

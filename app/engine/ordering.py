@@ -19,7 +19,7 @@ from app.validation import numbered_lines
 PREFIX_CHARS = 2048
 MIN_GROUP = 4
 
-Warm = Callable[[dict], Awaitable[None]]
+Warm = Callable[[int, dict], Awaitable[None]]  # (line number, body) of the line it warms up for
 
 
 @dataclass
@@ -100,7 +100,7 @@ async def ordered_lines(
                 src.seek(offset)
                 request = json.loads(src.readline().lstrip(b"\xef\xbb\xbf"))
                 if group.shared_prefix and not warmed and warm is not None:
-                    await warm(request["body"])
+                    await warm(number, request["body"])
                     warmed = True
                 yield number, request
 

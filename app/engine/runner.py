@@ -1,7 +1,9 @@
 """One batch's life in the engine loop: validate, run, finalize, or stop for cancel and expiry.
 
-Results are appended to `<batch>.output.part` / `<batch>.error.part` as they complete; counts and usage reach
-SQLite at least every `counts_flush_seconds`; at the end the part files become File objects.
+Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
+when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
+kills the engine on its own is found and written to the error file; at the end the part files become File
+objects in the same transaction that ends the batch.
 """
 
 from __future__ import annotations
@@ -10,24 +12,30 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
-from app import batches, clock, files
-from app.batches import Progress
+from app import batches, clock, failpoints, files
 from app.config import Settings
-from app.engine.execution import Executor, run_lines, warmer
-from app.engine.ordering import ordered_lines, plan
-from app.engine.resume import finished_lines
+from app.engine.execution import EngineDead, run_lines, warmer
+from app.engine.live import LiveEngine
+from app.engine.ordering import Group, ordered_lines, plan
+from app.engine.parts import PartFiles
 from app.ids import new_id
 from app.models import BatchRow, FileRow
-from app.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, Outcome, add_usage, error_outcome, line_for
+from app.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome
 from app.schemas import BatchError
 from app.storage import ResultAppender, Storage
 from app.validation import Limits, request_lines, validate_file
 
 log = logging.getLogger("vbatch.runner")
+
+ENGINE_CRASH_CODE = "engine_crashed"
+# Lines in flight at an engine death are re-run in this many groups, one group at a time.
+SUSPECT_FANOUT = 8
 
 
 @dataclass
@@ -35,16 +43,12 @@ class Context:
     db: Engine
     storage: Storage
     settings: Settings
-    executor: Executor
+    engine: LiveEngine
     served_models: list[str]
     max_in_flight: int
     slots: asyncio.Semaphore
     # Held while a batch submits its lines: batches start in creation order and overlap only at the tail.
     feed_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-def part_names(batch_id: str) -> tuple[str, str]:
-    return f"{batch_id}.output.part", f"{batch_id}.error.part"
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
@@ -92,18 +96,14 @@ class BatchRun:
     def __init__(self, ctx: Context, row: BatchRow) -> None:
         self.ctx = ctx
         self.row = row
-        self.progress = Progress()
-        self.done: set[int] = set()
-        output_name, error_name = part_names(row.id)
-        self.output = ctx.storage.open_appender(output_name)
-        self.errors = ctx.storage.open_appender(error_name)
+        self.parts = PartFiles(ctx.storage, row)
+        self.input_path = ctx.storage.path(row.input_file_id)
+        self.deaths_alone: dict[int, int] = {}
         self.started = time.monotonic()
         self.last_log = self.started
 
     async def run(self) -> None:
-        await self._resume()
-        await self.output.open()
-        await self.errors.open()
+        await self.parts.open()
         if self.row.status == "finalizing":  # stopped while publishing: every line already has its result
             await self._finish("completed")
             return
@@ -114,58 +114,21 @@ class BatchRun:
             else:
                 stop_status = "cancelled" if self.row.status == "cancelling" else "expired"
         finally:
-            await self._checkpoint()
+            await self.parts.checkpoint(self.ctx.db)
         if stop_status is None:
             await self._finish("completed")
         else:
             await self._fill_unfinished(stop_status)
             await self._finish(stop_status)
 
-    async def _resume(self) -> None:
-        """After a restart, results already in the part files count as done and are not sent to the engine."""
-        input_path = self.ctx.storage.path(self.row.input_file_id)
-        finished = await asyncio.to_thread(finished_lines, input_path, self.output.path, self.errors.path)
-        self.done, self.progress = finished.lines, finished.progress
-        self.output.lines, self.errors.lines = finished.output_lines, finished.error_lines
-        if self.done:
-            log.info("batch %s: resuming, %d of %d lines already done", self.row.id, len(self.done), self.row.total)
-
-    def _pending_lines(self):
-        return (
-            line for line in request_lines(self.ctx.storage.path(self.row.input_file_id)) if line[0] not in self.done
-        )
-
     def _expired(self) -> bool:
         return self.row.expires_at is not None and clock.now() >= self.row.expires_at
 
     async def _execute(self) -> str | None:
         """None when every line finished; else the terminal status that stopped it."""
-        ctx = self.ctx
         stop = asyncio.get_running_loop().create_future()
         ticker = asyncio.create_task(self._tick(stop))
-        released = False
-
-        def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                ctx.feed_lock.release()
-
-        input_path = ctx.storage.path(self.row.input_file_id)
-        groups = await asyncio.to_thread(plan, input_path)
-        await ctx.feed_lock.acquire()
-        lines = ordered_lines(input_path, groups, skip=self.done, warm=warmer(ctx.executor, self.row.endpoint))
-        work = asyncio.create_task(
-            run_lines(
-                lines,
-                executor=ctx.executor,
-                endpoint=self.row.endpoint,
-                slots=ctx.slots,
-                workers=ctx.max_in_flight,
-                on_outcome=self._record,
-                on_all_submitted=release,
-            )
-        )
+        work = asyncio.create_task(self._work())
         try:
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
             if stop.done():
@@ -176,27 +139,108 @@ class BatchRun:
             work.result()
             return None
         finally:
-            release()
-            ticker.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await ticker
-            if not work.done():
-                work.cancel()
+            for task in (ticker, work):
+                task.cancel()
+            await asyncio.gather(ticker, work, return_exceptions=True)
 
-    def _record(self, number: int, outcome: Outcome) -> None:
-        self.done.add(number)
-        if outcome.succeeded:
-            self.output.add(line_for(outcome))
-            self.progress.completed += 1
-        else:
-            self.errors.add(line_for(outcome))
-            self.progress.failed += 1
-        add_usage(self.progress, outcome.body)
+    async def _work(self) -> None:
+        """Every pending line to the engine; after an engine death, the lines it took with it first."""
+        groups = await asyncio.to_thread(plan, self.input_path)
+        suspects: list[int] = []
+        while True:
+            if suspects:
+                await self._settle(suspects)
+            generation = self.ctx.engine.generation
+            in_flight: set[int] = set()
+            try:
+                await self._feed(groups, in_flight)
+                return
+            except EngineDead:
+                suspects = sorted(in_flight - self.parts.done)
+                log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
+                await self.ctx.engine.recover(generation)
+
+    async def _feed(self, groups: list[Group], in_flight: set[int]) -> None:
+        ctx = self.ctx
+        await ctx.feed_lock.acquire()
+        released = False
+
+        def release() -> None:
+            nonlocal released
+            if not released:
+                released = True
+                ctx.feed_lock.release()
+
+        try:
+            await run_lines(
+                ordered_lines(
+                    self.input_path, groups, skip=self.parts.done, warm=warmer(ctx.engine, self.row.endpoint, in_flight)
+                ),
+                executor=ctx.engine,
+                endpoint=self.row.endpoint,
+                slots=ctx.slots,
+                workers=ctx.max_in_flight,
+                on_outcome=self.parts.record,
+                on_all_submitted=release,
+                in_flight=in_flight,
+            )
+        finally:
+            release()
+
+    async def _settle(self, suspects: list[int]) -> None:
+        """Re-run the lines an engine death took, a group at a time with nothing else in flight; a group that kills
+        the engine again is split, down to single lines. A line that kills it alone `engine_deaths_per_line` times
+        goes to the error file."""
+        queue = deque(_split(suspects))
+        while queue:
+            group = [n for n in queue.popleft() if n not in self.parts.done]
+            if not group:
+                continue
+            generation = self.ctx.engine.generation
+            try:
+                async with self.ctx.engine.isolated() as executor:
+                    await run_lines(
+                        self._lines(group),
+                        executor=executor,
+                        endpoint=self.row.endpoint,
+                        slots=asyncio.Semaphore(len(group)),
+                        workers=len(group),
+                        on_outcome=self.parts.record,
+                    )
+            except EngineDead:
+                await self.ctx.engine.recover(generation)
+                unfinished = [n for n in group if n not in self.parts.done]
+                if len(unfinished) == 1:
+                    await self._blame(unfinished[0], queue)
+                else:
+                    queue.extendleft(reversed(_split(unfinished)))
+
+    async def _blame(self, number: int, queue: deque[list[int]]) -> None:
+        deaths = self.deaths_alone.get(number, 0) + 1
+        self.deaths_alone[number] = deaths
+        if deaths < self.ctx.settings.engine_deaths_per_line:
+            queue.appendleft([number])
+            return
+        log.error(
+            "batch %s: line %d killed the engine %d times on its own; it goes to the error file",
+            self.row.id,
+            number,
+            deaths,
+        )
+        async for _, request in self._lines([number]):
+            message = f"The engine died {deaths} times while running this request alone; it was not retried."
+            self.parts.record(number, error_outcome(request["custom_id"], ENGINE_CRASH_CODE, message))
+
+    async def _lines(self, numbers: list[int]) -> AsyncIterator[tuple[int, dict]]:
+        wanted = set(numbers)
+        for number, request in request_lines(self.input_path):
+            if number in wanted:
+                yield number, request
 
     async def _tick(self, stop: asyncio.Future) -> None:
         while True:
-            await asyncio.sleep(self.ctx.settings.counts_flush_seconds)
-            await self._checkpoint()
+            await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
+            await self.parts.checkpoint(self.ctx.db)
             status = batches.get(db=self.ctx.db, batch_id=self.row.id).status
             if status == "cancelling":
                 stop.set_result("cancelled")
@@ -206,18 +250,14 @@ class BatchRun:
                 return
             self._log_progress()
 
-    async def _checkpoint(self) -> None:
-        await self.output.flush()
-        await self.errors.flush()
-        await asyncio.to_thread(batches.save_progress, db=self.ctx.db, batch_id=self.row.id, progress=self.progress)
-
     def _log_progress(self) -> None:
         now = time.monotonic()
         if now - self.last_log < self.ctx.settings.progress_log_seconds:
             return
         self.last_log = now
         elapsed = max(now - self.started, 1e-6)
-        finished = self.progress.completed + self.progress.failed
+        progress = self.parts.progress
+        finished = progress.completed + progress.failed
         rate = finished / elapsed
         eta = (self.row.total - finished) / rate if rate > 0 else float("inf")
         log.info(
@@ -226,7 +266,7 @@ class BatchRun:
             finished,
             self.row.total,
             rate,
-            self.progress.output_tokens / elapsed,
+            progress.output_tokens / elapsed,
             f"{eta:.0f}s" if eta != float("inf") else "?",
         )
 
@@ -234,54 +274,53 @@ class BatchRun:
         code, message = (
             ("batch_cancelled", CANCELLED_MESSAGE) if status == "cancelled" else ("batch_expired", EXPIRED_MESSAGE)
         )
-        for number, request in self._pending_lines():
-            self._record(number, error_outcome(request["custom_id"], code, message))
-        await self._checkpoint()
+        for number, request in request_lines(self.input_path):
+            if number not in self.parts.done:
+                self.parts.record(number, error_outcome(request["custom_id"], code, message))
+        await self.parts.checkpoint(self.ctx.db)
 
     async def _finish(self, status: str) -> None:
+        """Result files get their rows in the transaction that ends the batch; the part files go only after it."""
         ctx = self.ctx
         if status == "completed" and self.row.status != "finalizing":
             batches.transition(db=ctx.db, batch_id=self.row.id, to="finalizing")
-        await self.output.close()
-        await self.errors.close()
-        output_id = await self._publish(self.output, "output")
-        error_id = await self._publish(self.errors, "error")
+        await self.parts.close()
+        output = await self._link(self.parts.output, "output")
+        error = await self._link(self.parts.errors, "error")
+        failpoints.crash_here(failpoints.RESULTS_LINKED)
         batches.transition(
             db=ctx.db,
             batch_id=self.row.id,
             to=status,
-            output_file_id=output_id,
-            error_file_id=error_id,
-            **vars(self.progress),
+            new_files=[row for row in (output, error) if row is not None],
+            output_file_id=output.id if output else None,
+            error_file_id=error.id if error else None,
+            **vars(self.parts.progress),
         )
-        log.info(
-            "batch %s: %s, %d completed, %d failed",
-            self.row.id,
-            status,
-            self.progress.completed,
-            self.progress.failed,
-        )
+        for appender in (self.parts.output, self.parts.errors):
+            await ctx.storage.delete(appender.path.name)
+        progress = self.parts.progress
+        log.info("batch %s: %s, %d completed, %d failed", self.row.id, status, progress.completed, progress.failed)
 
-    async def _publish(self, appender: ResultAppender, kind: str) -> str | None:
-        part = appender.path.name
+    async def _link(self, appender: ResultAppender, kind: str) -> FileRow | None:
         if appender.lines == 0:
-            await self.ctx.storage.delete(part)
             return None
         file_id = new_id("file-")
-        await self.ctx.storage.rename(part, file_id)
+        await self.ctx.storage.link(appender.path.name, file_id)
         created = clock.now()
         ttl = self.row.output_expires_after_seconds or self.ctx.settings.output_file_ttl_seconds
-        files.insert(
-            db=self.ctx.db,
-            row=FileRow(
-                id=file_id,
-                created_ns=clock.now_ns(),
-                created_at=created,
-                expires_at=created + ttl,
-                bytes=await self.ctx.storage.size(file_id),
-                filename=f"{self.row.id}_{kind}.jsonl",
-                purpose=files.OUTPUT_PURPOSE,
-                batch_id=self.row.id,
-            ),
+        return FileRow(
+            id=file_id,
+            created_ns=clock.now_ns(),
+            created_at=created,
+            expires_at=created + ttl,
+            bytes=await self.ctx.storage.size(file_id),
+            filename=f"{self.row.id}_{kind}.jsonl",
+            purpose=files.OUTPUT_PURPOSE,
+            batch_id=self.row.id,
         )
-        return file_id
+
+
+def _split(numbers: list[int]) -> list[list[int]]:
+    size = -(-len(numbers) // SUSPECT_FANOUT)
+    return [numbers[i : i + size] for i in range(0, len(numbers), size)]

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine
 from app import batches, clock, logs
 from app.config import Settings
 from app.engine.execution import EngineDead
+from app.engine.live import LiveEngine
 from app.engine.runner import Context, run_batch
 from app.storage import Storage
 
@@ -27,7 +28,7 @@ class EngineService:
     def __init__(self, engine_args: argparse.Namespace | None, model_name: str | None = None) -> None:
         self.engine_args = engine_args
         self.model_name = model_name
-        self.state: Literal["ok", "starting", "down"] = "starting"
+        self.live = LiveEngine(self._start_engine, self._stop_engine)
         self.served_models: list[str] = [model_name] if model_name else []
         self.started_at = clock.now()
         self._wake = asyncio.Event()
@@ -36,6 +37,10 @@ class EngineService:
         self._running: dict[str, asyncio.Task] = {}
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
+
+    @property
+    def state(self) -> Literal["starting", "ok", "restarting", "down"]:
+        return self.live.state
 
     def wake(self) -> None:
         self._wake.set()
@@ -52,14 +57,14 @@ class EngineService:
         if self._loop_task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._loop_task
-        await self._stack.aclose()
+        await self._stop_engine()
 
     async def _main(self, db: Engine, storage: Storage, settings: Settings) -> None:
         try:
-            serving = await self._start_engine()
+            serving = await self.live.start()
         except Exception:
             log.exception("the engine failed to start")
-            self.state = "down"
+            self.live.state = "down"
             return
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         max_in_flight = settings.max_in_flight or 2 * serving.max_num_seqs
@@ -67,12 +72,11 @@ class EngineService:
             db=db,
             storage=storage,
             settings=settings,
-            executor=serving,
+            engine=self.live,
             served_models=self.served_models,
             max_in_flight=max_in_flight,
             slots=asyncio.Semaphore(max_in_flight),
         )
-        self.state = "ok"
         logs.ensure_enabled()
         log.info("engine ready: serving %s, up to %d requests in flight", self.served_models, max_in_flight)
         await self._schedule(ctx)
@@ -82,13 +86,18 @@ class EngineService:
 
         assert self.engine_args is not None, "an engine service needs engine args to start an engine"
 
+        self._stack = AsyncExitStack()
         serving = await self._stack.enter_async_context(live_engine(self.engine_args))
         self.served_models = serving.served_models
         self.model_name = self.served_models[0]
         return serving
 
+    async def _stop_engine(self) -> None:
+        with contextlib.suppress(Exception):  # a dead engine may fail to shut down cleanly; it is gone either way
+            await self._stack.aclose()
+
     async def _schedule(self, ctx: Context) -> None:
-        while self.state == "ok":
+        while self.state in ("ok", "restarting"):
             self._wake.clear()
             for row in batches.active(db=ctx.db):
                 if row.id not in self._running and row.id not in self._broken:
@@ -102,9 +111,8 @@ class EngineService:
         except asyncio.CancelledError:
             raise
         except EngineDead:
-            # Finished results are on disk and the batch stays in_progress: the next start resumes it.
-            log.error("batch %s: the engine died; /health is 503 until vbatch serve is restarted", batch_id)
-            self.state = "down"
+            # Only when a new engine could not be started. Results are checkpointed; the next start resumes.
+            log.error("batch %s: stopped, no engine; /health is 503 until vbatch serve is restarted", batch_id)
         except Exception:
             log.exception("batch %s: the engine loop failed on it; it stays as it is until the next start", batch_id)
             self._broken.add(batch_id)

@@ -1,0 +1,114 @@
+"""The live engine as batch runs see it: one executor that survives the engine's death.
+
+When the engine dies every request in flight fails with `EngineDead`; the first run to notice calls `recover`,
+which starts a new engine once, however many runs saw the death. Requests that may have killed it are re-run
+`isolated`: with nothing else in flight, so that the next death can be laid on them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from app import failpoints
+from app.engine.execution import EngineDead, Executor
+
+log = logging.getLogger("vbatch.engine")
+
+State = Literal["starting", "ok", "restarting", "down"]
+
+
+class LiveEngine:
+    def __init__(self, start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]]) -> None:
+        self._start = start
+        self._stop = stop
+        self._serving: Executor | None = None
+        self.state: State = "starting"
+        self.generation = 0  # how many times the engine has been started
+        self.deaths = 0
+        self._restarting = asyncio.Lock()
+        self._isolation = asyncio.Lock()
+        self._isolation_wanted = 0
+        self._open = asyncio.Event()  # cleared while isolated work is wanted or running
+        self._open.set()
+        self._shared_in_flight = 0
+        self._drained = asyncio.Event()
+        self._drained.set()
+
+    async def start(self) -> Any:
+        self._serving = await self._start()
+        self.generation += 1
+        self.state = "ok"
+        return self._serving
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        await self._open.wait()
+        self._shared_in_flight += 1
+        self._drained.clear()
+        try:
+            return await self._call(endpoint, body)
+        finally:
+            self._shared_in_flight -= 1
+            if self._shared_in_flight == 0:
+                self._drained.set()
+
+    async def _call(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        if self._serving is None or self.state != "ok":
+            raise EngineDead("the engine is not running")
+        if failpoints.is_poison(body):
+            _kill_engine_core()
+        return await self._serving.execute(endpoint, body)
+
+    @asynccontextmanager
+    async def isolated(self) -> AsyncIterator[Executor]:
+        """An executor whose requests run with no others in flight (other work waits at `execute`)."""
+        self._isolation_wanted += 1
+        self._open.clear()
+        try:
+            async with self._isolation:
+                await self._drained.wait()
+                yield _Isolated(self)
+        finally:
+            self._isolation_wanted -= 1
+            if self._isolation_wanted == 0:
+                self._open.set()
+
+    async def recover(self, generation: int) -> None:
+        """Start a new engine after the death of engine `generation`; a no-op if that already happened."""
+        async with self._restarting:
+            if generation != self.generation or self.state == "down":
+                if self.state == "down":
+                    raise EngineDead("the engine could not be restarted")
+                return
+            self.deaths += 1
+            self.state = "restarting"
+            log.error("the engine died (death %d); starting a new one", self.deaths)
+            try:
+                await self._stop()
+                await self.start()
+            except Exception as exc:
+                self.state = "down"
+                log.exception("the engine could not be restarted; /health stays 503 until vbatch serve restarts")
+                raise EngineDead("the engine could not be restarted") from exc
+            log.info("engine restarted")
+
+
+class _Isolated:
+    def __init__(self, engine: LiveEngine) -> None:
+        self._engine = engine
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        return await self._engine._call(endpoint, body)
+
+
+def _kill_engine_core() -> None:
+    """The poison failpoint: a real engine death, as an out-of-memory kill of the engine core would be."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if "EngineCore" in child.name():
+            log.warning("failpoint poison: killing engine core pid %d", child.pid)
+            child.kill()

@@ -1,0 +1,43 @@
+"""`GET /v1/batches/{id}/partial_output` (a vbatch extension): the result lines a batch has so far.
+
+While the batch runs, its part file up to the last checkpoint (lines that will not change); once it ends, its
+published output or error file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Literal
+
+from sqlalchemy.engine import Engine
+
+from app import batches
+from app.engine.parts import part_names
+from app.storage import Storage
+
+Kind = Literal["output", "error"]
+
+
+async def _nothing() -> AsyncIterator[bytes]:
+    return
+    yield  # pragma: no cover - makes this an async generator
+
+
+async def open_partial(*, db: Engine, storage: Storage, batch_id: str, kind: Kind) -> tuple[AsyncIterator[bytes], int]:
+    # Twice: a batch can finish between reading its row and opening its part file, which it then removes.
+    for _ in range(2):
+        row = batches.get(db=db, batch_id=batch_id)
+        file_id = row.output_file_id if kind == "output" else row.error_file_id
+        if file_id is not None:
+            opened = await storage.open_prefix(file_id)
+        elif row.status in batches.TERMINAL:
+            return _nothing(), 0
+        else:
+            part = part_names(row.id)[0 if kind == "output" else 1]
+            done = row.output_bytes_done if kind == "output" else row.error_bytes_done
+            opened = await storage.open_prefix(part, done)
+            if opened is None and done == 0:
+                return _nothing(), 0
+        if opened is not None:
+            return opened
+    return _nothing(), 0

@@ -1,0 +1,35 @@
+"""At start, before any work: remove what a crash left in the files directory that nothing refers to.
+
+Torn uploads (temporary files, or bytes whose row was never committed), result files linked by a batch that
+crashed before it committed them, part files of batches that did commit. Nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.engine import Engine
+from sqlmodel import col, select
+
+from app.batches import ACTIVE
+from app.db import session_scope
+from app.engine.parts import part_names
+from app.models import BatchRow, FileRow
+from app.storage import Storage
+
+log = logging.getLogger("vbatch.sweep")
+
+
+def sweep_storage(*, db: Engine, storage: Storage) -> int:
+    with session_scope(db) as session:
+        keep = set(session.exec(select(FileRow.id)).all())
+        for batch_id in session.exec(select(BatchRow.id).where(col(BatchRow.status).in_(ACTIVE))).all():
+            keep.update(part_names(batch_id))
+    removed = 0
+    for name in storage.names():
+        if name not in keep:
+            storage.remove_any(name)
+            removed += 1
+    if removed:
+        log.info("removed %d files left by an earlier crash", removed)
+    return removed
