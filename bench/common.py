@@ -71,7 +71,27 @@ class VbatchServer:
             time.sleep(0.5)
         raise RuntimeError(f"vbatch serve was not ready in {timeout} s; see {self.log.name}")
 
+    def kill(self) -> None:
+        """`kill -9` of the service and its engine, as an out-of-memory killer or a lost machine would do."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def wait_exit(self, timeout: float) -> int:
+        code = self.process.wait(timeout=timeout)
+        self.log.close()
+        return code
+
+    def engine_core_pids(self) -> list[int]:
+        import psutil
+
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        return [child.pid for child in children if "EngineCore" in child.name()]
+
     def stop(self) -> None:
+        if self.log.closed:
+            return
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
             try:

@@ -1,0 +1,222 @@
+"""Fault injection against the real service (CPU vLLM): `kill -9` at several points, a killed engine, a poison
+line, SIGTERM. Each test starts its own servers on one data directory; the openai SDK is the client.
+
+What must hold after any of them: the batch ends, every custom_id is in the output or error file exactly once,
+lines a client saw in partial_output before a kill are in the final file exactly as first written (same ids, same
+`created`: they were not run again), counts and usage add up, and nothing is left in the files directory that no
+file object owns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from bench.common import VbatchServer
+from tests.e2e.conftest import MODEL, engine_flags, free_port
+
+STARTUP_SECONDS = 900
+ENV = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2"}
+
+
+class Lineage:
+    """Servers started one after another on the same data directory."""
+
+    def __init__(self, base: Path, model_path: Path) -> None:
+        self.base = base
+        self.data_dir = base / "data"
+        self.flags = engine_flags(model_path)
+        self.starts = 0
+        self.server: VbatchServer | None = None
+
+    def start(self, failpoint: str | None = None) -> VbatchServer:
+        self.starts += 1
+        env = {**ENV, **({"VBATCH_FAILPOINT": failpoint} if failpoint else {})}
+        log = self.base / f"serve-{self.starts}.log"
+        self.server = VbatchServer(self.data_dir, free_port(), self.flags, log, env=env)
+        self.server.wait_ready(timeout=STARTUP_SECONDS)
+        return self.server
+
+    def client(self) -> OpenAI:
+        assert self.server is not None
+        return OpenAI(base_url=f"{self.server.base_url}/v1", api_key="e2e", max_retries=0, timeout=60)
+
+    def partial(self, batch_id: str, kind: str = "output") -> list[dict]:
+        assert self.server is not None
+        url = f"{self.server.base_url}/v1/batches/{batch_id}/partial_output"
+        response = httpx.get(url, params={"kind": kind}, timeout=30)
+        assert response.status_code == 200, response.text
+        return [json.loads(line) for line in response.content.splitlines()]
+
+    def wait_partial(self, batch_id: str, at_least: int, timeout: float = 300) -> list[dict]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = self.partial(batch_id)
+            if len(lines) >= at_least:
+                return lines
+            time.sleep(0.2)
+        raise AssertionError(f"partial output of {batch_id} never reached {at_least} lines")
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture
+def lineage(tmp_path, model_path):
+    running = Lineage(tmp_path, model_path)
+    yield running
+    running.stop()
+
+
+def request_lines(count: int, *, poison: int | None = None) -> bytes:
+    lines = []
+    for i in range(count):
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": f"Write one sentence about the number {i}."}],
+            "max_tokens": 12,
+        }
+        if i == poison:
+            body["user"] = "vbatch-poison"
+        lines.append({"custom_id": f"req-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+    return b"".join(json.dumps(line).encode() + b"\n" for line in lines)
+
+
+def create(client: OpenAI, content: bytes) -> str:
+    source = client.files.create(file=("in.jsonl", content), purpose="batch")
+    return client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h").id
+
+
+def wait_done(client: OpenAI, batch_id: str, timeout: float = 600):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in ("completed", "failed", "expired", "cancelled"):
+            return batch
+        time.sleep(0.5)
+    raise AssertionError(f"{batch_id} did not end in {timeout} s")
+
+
+def results(client: OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).content.splitlines()]
+
+
+def check_exactly_once(client: OpenAI, batch, count: int, seen_before_kills: list[dict]) -> list[dict]:
+    outputs = results(client, batch.output_file_id)
+    errors = results(client, batch.error_file_id)
+    ids = Counter(line["custom_id"] for line in outputs + errors)
+    assert ids == Counter(f"req-{i}" for i in range(count))
+    assert batch.request_counts.total == count
+    assert batch.request_counts.completed == len(outputs) and batch.request_counts.failed == len(errors)
+    by_custom_id = {line["custom_id"]: line for line in outputs}
+    for line in seen_before_kills:
+        assert by_custom_id[line["custom_id"]] == line  # same id, request_id, created, text: not run again
+    usage = [line["response"]["body"]["usage"] for line in outputs]
+    assert batch.usage.input_tokens == sum(u["prompt_tokens"] for u in usage)
+    assert batch.usage.output_tokens == sum(u["completion_tokens"] for u in usage)
+    return outputs
+
+
+def owned_files(client: OpenAI) -> set[str]:
+    return {f.id for f in client.files.list()}
+
+
+def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
+    count = 24
+    # 1. Killed while an upload's bytes are on disk but its row is not: no file object, no debris after restart.
+    server = lineage.start(failpoint="upload_saved")
+    with pytest.raises(httpx.HTTPError):
+        httpx.post(
+            f"{server.base_url}/v1/files",
+            files={"file": ("torn.jsonl", request_lines(count))},
+            data={"purpose": "batch"},
+            timeout=60,
+        )
+    server.wait_exit(timeout=60)
+    assert len(list((lineage.data_dir / "files").iterdir())) == 1  # the torn upload's bytes
+
+    # 2. Killed right after the batch is created, while it is validating.
+    lineage.start()
+    client = lineage.client()
+    assert owned_files(client) == set()
+    assert list((lineage.data_dir / "files").iterdir()) == []
+    batch_id = create(client, request_lines(count))
+    lineage.server.kill()
+
+    # 3. Killed early in the run, then 4. in the middle; lines seen in partial_output must survive as they are.
+    lineage.start()
+    seen = lineage.wait_partial(batch_id, at_least=2)
+    lineage.server.kill()
+    lineage.start()
+    seen += lineage.wait_partial(batch_id, at_least=len(seen) + 8)
+    lineage.server.kill()
+
+    # 5. Killed while finalizing: result files linked, the batch row not yet final.
+    server = lineage.start(failpoint="results_linked")
+    server.wait_exit(timeout=600)
+
+    lineage.start()
+    client = lineage.client()
+    batch = wait_done(client, batch_id)
+    assert batch.status == "completed"
+    check_exactly_once(client, batch, count, seen)
+    owned = owned_files(client)
+    on_disk = {p.name for p in (lineage.data_dir / "files").iterdir()}
+    assert on_disk == owned == {batch.input_file_id, batch.output_file_id}
+
+
+def test_engine_death_poison_line_and_sigterm(lineage):
+    server = lineage.start(failpoint="poison")
+    client = lineage.client()
+
+    # The engine core alone is killed mid-run: the service restarts it and the batch completes.
+    killed = create(client, request_lines(16))
+    seen = lineage.wait_partial(killed, at_least=2)
+    [core] = server.engine_core_pids()
+    os.kill(core, signal.SIGKILL)
+    batch = wait_done(client, killed)
+    assert batch.status == "completed"
+    check_exactly_once(client, batch, 16, seen)
+    assert server.engine_core_pids() != [core]
+
+    # A line that kills the engine each time it runs ends in the error file; the others succeed.
+    poisoned = create(client, request_lines(8, poison=3))
+    batch = wait_done(client, poisoned)
+    assert batch.status == "completed"
+    outputs = check_exactly_once(client, batch, 8, [])
+    assert len(outputs) == 7
+    [error] = results(client, batch.error_file_id)
+    assert error["custom_id"] == "req-3" and error["error"]["code"] == "engine_crashed"
+    assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
+
+    # SIGTERM mid-run: the service checkpoints and exits within seconds; the next start finishes the batch
+    # without re-running what had finished.
+    stopped = create(client, request_lines(16))
+    lineage.wait_partial(stopped, at_least=2)
+    asked = time.monotonic()
+    server.process.send_signal(signal.SIGTERM)
+    # uvicorn re-raises the signal once its shutdown (ours included) is complete.
+    assert server.wait_exit(timeout=30) in (0, -signal.SIGTERM)
+    assert "Application shutdown complete" in (lineage.base / "serve-1.log").read_text(errors="replace")
+    exit_seconds = time.monotonic() - asked
+    part = lineage.data_dir / "files" / f"{stopped}.output.part"
+    finished_at_stop = [json.loads(line) for line in part.read_bytes().splitlines()]
+    assert len(finished_at_stop) >= 2
+
+    lineage.start()
+    client = lineage.client()
+    batch = wait_done(client, stopped)
+    assert batch.status == "completed"
+    check_exactly_once(client, batch, 16, finished_at_stop)
+    print(f"SIGTERM to exit: {exit_seconds:.1f} s")
