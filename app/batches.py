@@ -7,11 +7,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
-from sqlmodel import select
+from sqlmodel import func, select
 
 from app import clock
+from app.auth import visible
 from app.db import session_scope, write_scope
-from app.errors import bad_request, not_found
+from app.errors import APIError, bad_request, not_found
 from app.ids import new_id
 from app.models import BatchRow, FileRow
 from app.pagination import page
@@ -128,12 +129,16 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
             )
 
 
-def create(*, db: Engine, request: CreateBatchRequest, windows: dict[str, int]) -> BatchRow:
+def create(
+    *, db: Engine, request: CreateBatchRequest, windows: dict[str, int], owner: str, max_active: int
+) -> BatchRow:
     _check_request(request, windows)
     with write_scope(db) as session:
         source = session.get(FileRow, request.input_file_id)
-        if source is None or (source.expires_at is not None and source.expires_at <= clock.now()):
+        expired = source is not None and source.expires_at is not None and source.expires_at <= clock.now()
+        if source is None or expired or not visible(source.owner, owner):
             raise not_found("File", request.input_file_id, param="input_file_id")
+        _check_active_count(session, owner=owner, max_active=max_active)
         if source.purpose != "batch":
             raise bad_request(
                 f"File {source.id} has purpose '{source.purpose}'; a batch needs a file with purpose 'batch'.",
@@ -148,6 +153,7 @@ def create(*, db: Engine, request: CreateBatchRequest, windows: dict[str, int]) 
             input_file_id=request.input_file_id,
             completion_window=request.completion_window,
             status="validating",
+            owner=owner,
             metadata_json=json.dumps(request.metadata) if request.metadata is not None else None,
             output_expires_after_seconds=(
                 request.output_expires_after.seconds if request.output_expires_after else None
@@ -160,17 +166,34 @@ def create(*, db: Engine, request: CreateBatchRequest, windows: dict[str, int]) 
     return row
 
 
-def get(*, db: Engine, batch_id: str) -> BatchRow:
+def _check_active_count(session, *, owner: str, max_active: int) -> None:
+    """Inside create's write transaction, so two concurrent creates cannot both take the last place."""
+    if max_active <= 0:
+        return
+    statement = (
+        select(func.count()).select_from(BatchRow).where(BatchRow.owner == owner, BatchRow.status.in_(ACTIVE))  # type: ignore[attr-defined]
+    )
+    if session.exec(statement).one() >= max_active:
+        raise APIError(
+            429,
+            f"This API key already has {max_active} batches validating or running, the most allowed at once. "
+            "Wait for one to finish, or cancel one.",
+            param=None,
+            code="too_many_active_batches",
+        )
+
+
+def get(*, db: Engine, batch_id: str, owner: str | None) -> BatchRow:
     with session_scope(db) as session:
         row = session.get(BatchRow, batch_id)
-    if row is None:
+    if row is None or not visible(row.owner, owner):
         raise not_found("Batch", batch_id)
     return row
 
 
-def list_batches(*, db: Engine, limit: int, after: str | None) -> BatchList:
+def list_batches(*, db: Engine, owner: str, limit: int, after: str | None) -> BatchList:
     with session_scope(db) as session:
-        rows, has_more = page(session, BatchRow, filters=[], limit=limit, after=after, descending=True)
+        rows, has_more = page(session, BatchRow, owner=owner, filters=[], limit=limit, after=after, descending=True)
     data = [to_wire(r) for r in rows]
     return BatchList(
         data=data,
@@ -200,9 +223,9 @@ def transition(*, db: Engine, batch_id: str, to: str, new_files: Sequence[FileRo
     return row
 
 
-def request_cancel(*, db: Engine, batch_id: str) -> BatchRow:
+def request_cancel(*, db: Engine, batch_id: str, owner: str) -> BatchRow:
     """Idempotent while cancelling; a finished batch cannot be cancelled (400, which the SDK does not retry)."""
-    row = get(db=db, batch_id=batch_id)
+    row = get(db=db, batch_id=batch_id, owner=owner)
     if row.status == "cancelling":
         return row
     if row.status in TERMINAL or row.status == "finalizing":
@@ -215,7 +238,7 @@ def request_cancel(*, db: Engine, batch_id: str) -> BatchRow:
         return transition(db=db, batch_id=batch_id, to="cancelling")
     except InvalidTransition:
         # The loop moved it on between our read and our write: answer with what it is now.
-        return request_cancel(db=db, batch_id=batch_id)
+        return request_cancel(db=db, batch_id=batch_id, owner=owner)
 
 
 def update(*, db: Engine, batch_id: str, **fields: object) -> BatchRow:

@@ -62,16 +62,36 @@ def serve(argv: list[str]) -> None:
 
     parser = serve_parser("vbatch serve")
     parser.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="Serve on a non-loopback address without API keys (anyone who reaches the port can use it).",
+    )
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in {"data_dir": args.data_dir, "port": args.port}.items() if v is not None}
     if args.host:
         overrides["host"] = args.host
     settings = Settings(**overrides)
+    _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     _prepare_engine_args(argv, args, settings)
     engine = EngineService(args)
     app = create_app(settings, engine)
     log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
+
+
+def _check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
+    from app.auth import open_binding_refusal
+
+    keys = len(settings.read_api_keys())
+    refusal = open_binding_refusal(host=settings.host, keys=keys, insecure_no_auth=insecure_no_auth)
+    if refusal:
+        log.error(refusal)
+        sys.exit(2)
+    if keys:
+        log.info("%d API key(s) configured: every /v1 request needs one", keys)
+    else:
+        log.warning("no API keys configured: serving %s without authentication", settings.host)
 
 
 def run(argv: list[str]) -> None:

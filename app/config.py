@@ -27,12 +27,19 @@ class Settings(BaseSettings):
     data_dir: Path = Path("data")
     host: str = "127.0.0.1"
     port: int = 8000
+    # Bearer keys, comma-separated and/or one a line in a file. With none, vbatch serves loopback only.
+    api_keys: str = ""
+    api_keys_file: Path | None = None
     # OpenAI accepts only "24h"; a self-hosted box may want longer (or, in tests, shorter) windows.
     completion_windows: str = "24h"
     max_requests_per_batch: int = 50_000
     max_upload_bytes: int = 512 * 1000 * 1000
     max_batch_upload_bytes: int = 200 * 1000 * 1000
     max_line_bytes: int = 10 * 1024 * 1024
+    # Batches a key may have validating, running or finishing at once (0: no limit).
+    max_active_batches_per_key: int = 100
+    # The largest `n` (choices per request) a batch line may ask for.
+    max_choices_per_request: int = 128
     batch_file_ttl_seconds: int = 30 * 86400
     output_file_ttl_seconds: int = 30 * 86400
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
@@ -53,6 +60,11 @@ class Settings(BaseSettings):
     @cached_property
     def allowed_windows(self) -> dict[str, int]:
         return {w.strip(): window_seconds(w.strip()) for w in self.completion_windows.split(",")}
+
+    def read_api_keys(self) -> list[str]:
+        from app.auth import read_keys
+
+        return read_keys(inline=self.api_keys, path=self.api_keys_file)
 
     def upload_limit(self, purpose: str) -> int:
         return self.max_batch_upload_bytes if purpose == "batch" else self.max_upload_bytes

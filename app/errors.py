@@ -37,8 +37,8 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
     return APIError(400, message, param=param, code=code)
 
 
-def _respond(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code)
+def _respond(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
 
 
 def _param_of(loc: tuple) -> str | None:
@@ -56,6 +56,16 @@ def _from_validation(exc: RequestValidationError) -> APIError:
     return bad_request(f"Invalid value for '{param}': {first.get('msg')}.", param=param, code="invalid_value")
 
 
+def _allowed_methods(app: FastAPI, path: str) -> str:
+    """Every method the path answers to: Starlette's own `Allow` names only the first route that matched it."""
+    methods: set[str] = set()
+    for route in app.routes:
+        pattern = getattr(route, "path_regex", None)
+        if pattern is not None and pattern.match(path):
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -66,12 +76,15 @@ def install_error_handlers(app: FastAPI) -> None:
         return _respond(_from_validation(exc))
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return _respond(APIError(exc.status_code, message, type=kind))
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(app, request.url.path)
+        return _respond(APIError(exc.status_code, message, type=kind), headers=headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

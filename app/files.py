@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from sqlalchemy.engine import Engine
 from sqlmodel import col
 
 from app import clock, failpoints
+from app.auth import visible
 from app.db import session_scope
-from app.errors import APIError, bad_request, not_found
-from app.ids import new_id
+from app.errors import bad_request, not_found
 from app.models import FileRow
 from app.pagination import page
 from app.schemas import FileList, OpenAIFile
-from app.storage import Storage, UploadTooLarge
+from app.storage import Storage
 
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
@@ -32,28 +30,19 @@ def to_wire(row: FileRow) -> OpenAIFile:
     )
 
 
-async def create_upload(
-    *,
-    db: Engine,
-    storage: Storage,
-    chunks: AsyncIterator[bytes],
-    filename: str,
-    purpose: str,
-    ttl_seconds: int | None,
-    max_bytes: int,
-) -> FileRow:
+def check_purpose(purpose: str) -> None:
     if purpose not in UPLOAD_PURPOSES:
         raise bad_request(
             f"Invalid value for 'purpose': '{purpose}'. Supported values are: {', '.join(UPLOAD_PURPOSES)}.",
             param="purpose",
             code="invalid_value",
         )
-    file_id = new_id("file-")
-    try:
-        size = await storage.save_stream(file_id, chunks, max_bytes=max_bytes)
-    except UploadTooLarge:
-        message = f"File is too large. The limit is {max_bytes} bytes."
-        raise APIError(413, message, param="file", code="file_too_large") from None
+
+
+def record_upload(
+    *, db: Engine, file_id: str, size: int, filename: str, purpose: str, ttl_seconds: int | None, owner: str
+) -> FileRow:
+    """The file object for bytes already stored under `file_id`; until this commits, they are sweepable debris."""
     failpoints.crash_here(failpoints.UPLOAD_SAVED)
     created = clock.now()
     row = FileRow(
@@ -64,6 +53,7 @@ async def create_upload(
         bytes=size,
         filename=filename,
         purpose=purpose,
+        owner=owner,
     )
     return insert(db=db, row=row)
 
@@ -75,10 +65,11 @@ def insert(*, db: Engine, row: FileRow) -> FileRow:
     return row
 
 
-def get(*, db: Engine, file_id: str) -> FileRow:
+def get(*, db: Engine, file_id: str, owner: str | None) -> FileRow:
     with session_scope(db) as session:
         row = session.get(FileRow, file_id)
-    if row is None or _expired(row):
+    # Someone else's file is "not found", not "forbidden": its existence is not ours to tell.
+    if row is None or _expired(row) or not visible(row.owner, owner):
         raise not_found("File", file_id)
     return row
 
@@ -87,12 +78,14 @@ def _expired(row: FileRow) -> bool:
     return row.expires_at is not None and row.expires_at <= clock.now()
 
 
-def list_files(*, db: Engine, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:
+def list_files(*, db: Engine, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:
     filters: list = [] if purpose is None else [FileRow.purpose == purpose]
     expires_at = col(FileRow.expires_at)
     filters.append(expires_at.is_(None) | (expires_at > clock.now()))
     with session_scope(db) as session:
-        rows, has_more = page(session, FileRow, filters=filters, limit=limit, after=after, descending=order == "desc")
+        rows, has_more = page(
+            session, FileRow, owner=owner, filters=filters, limit=limit, after=after, descending=order == "desc"
+        )
     data = [to_wire(r) for r in rows]
     return FileList(
         data=data,
@@ -102,10 +95,10 @@ def list_files(*, db: Engine, purpose: str | None, limit: int, order: str, after
     )
 
 
-async def delete(*, db: Engine, storage: Storage, file_id: str) -> None:
+async def delete(*, db: Engine, storage: Storage, file_id: str, owner: str) -> None:
     with session_scope(db) as session:
         row = session.get(FileRow, file_id)
-        if row is None:
+        if row is None or not visible(row.owner, owner):
             raise not_found("File", file_id)
         session.delete(row)
         session.commit()

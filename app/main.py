@@ -11,6 +11,7 @@ from app import __version__
 from app.api import batches as batch_routes
 from app.api import files as file_routes
 from app.api import system as system_routes
+from app.auth import KeyRing
 from app.config import Settings
 from app.db import make_engine
 from app.engine.service import EngineService
@@ -42,6 +43,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         lifespan=lifespan,
     )
     app.state.settings = settings
+    app.state.keys = KeyRing(settings.read_api_keys())
     app.state.engine = engine
     install_error_handlers(app)
 

@@ -18,6 +18,8 @@ class FileRow(SQLModel, table=True):
     purpose: str = Field(index=True)
     status: str = "processed"
     batch_id: str | None = Field(default=None, index=True)
+    # The API key (its owner id, app.auth) that uploaded it, or whose batch wrote it.
+    owner: str = Field(default="", index=True)
 
 
 class BatchRow(SQLModel, table=True):
@@ -29,6 +31,7 @@ class BatchRow(SQLModel, table=True):
     input_file_id: str
     completion_window: str
     status: str = Field(index=True)
+    owner: str = Field(default="", index=True)
     model: str | None = None
     errors_json: str | None = None
     metadata_json: str | None = None

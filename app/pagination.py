@@ -16,16 +16,17 @@ def page(
     session: Session,
     table: type[Row],
     *,
+    owner: str,
     filters: list,
     limit: int,
     after: str | None,
     descending: bool,
 ) -> tuple[list[Row], bool]:
-    """Rows in (created_ns, id) order, strictly after the row `after`, at most `limit`; plus has_more."""
-    statement = select(table).where(*filters)
+    """The owner's rows in (created_ns, id) order, strictly after the row `after`, at most `limit`; plus has_more."""
+    statement = select(table).where(table.owner == owner, *filters)
     if after is not None:
         anchor = session.get(table, after)
-        if anchor is None:
+        if anchor is None or anchor.owner != owner:
             raise bad_request(f"No such object for 'after': {after}", param="after")
         newer = or_(
             table.created_ns > anchor.created_ns,

@@ -23,10 +23,12 @@ async def _nothing() -> AsyncIterator[bytes]:
     yield  # pragma: no cover - makes this an async generator
 
 
-async def open_partial(*, db: Engine, storage: Storage, batch_id: str, kind: Kind) -> tuple[AsyncIterator[bytes], int]:
+async def open_partial(
+    *, db: Engine, storage: Storage, batch_id: str, kind: Kind, owner: str
+) -> tuple[AsyncIterator[bytes], int]:
     # Twice: a batch can finish between reading its row and opening its part file, which it then removes.
     for _ in range(2):
-        row = batches.get(db=db, batch_id=batch_id)
+        row = batches.get(db=db, batch_id=batch_id, owner=owner)
         file_id = row.output_file_id if kind == "output" else row.error_file_id
         if file_id is not None:
             opened = await storage.open_prefix(file_id)

@@ -1,45 +1,231 @@
-"""Reads the multipart form of `POST /v1/files` into what files.create_upload needs."""
+"""`POST /v1/files`: reads the multipart form as it arrives. The file part streams straight into Storage, so an
+upload over its limit gets 413 as soon as it passes the limit, without being read whole or kept. Fields sent
+before the file (the SDK and curl send `purpose` first) pick the limit; one sent after it is checked after."""
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
-from starlette.datastructures import UploadFile
+from python_multipart.exceptions import MultipartParseError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.config import Settings
-from app.errors import bad_request
+from app.errors import APIError, bad_request
+from app.files import check_purpose
+from app.ids import new_id
+from app.storage import Storage, UploadTooLarge
 
-_READ_BYTES = 1 << 20
 MIN_TTL, MAX_TTL = 3600, 2_592_000
+# Room for the form's own bytes (boundaries, part headers, small fields) on top of the file's limit.
+FORM_OVERHEAD = 64 * 1024
+MAX_FIELD_BYTES = 4096
+MAX_PARTS = 16
+MAX_FILENAME_CHARS = 1024
 
 
 @dataclass
 class Upload:
-    file: UploadFile
+    """A file part already in Storage under `file_id` (not yet a file object), and the form around it."""
+
+    file_id: str
+    size: int
     filename: str
     purpose: str
     ttl_seconds: int | None
 
-    @property
-    def chunks(self) -> AsyncIterator[bytes]:
-        return self._chunks()
 
-    async def _chunks(self) -> AsyncIterator[bytes]:
-        while chunk := await self.file.read(_READ_BYTES):
-            yield chunk
-
-    async def close(self) -> None:
-        await self.file.close()
+@dataclass
+class _Part:
+    name: str
+    filename: str | None
 
 
-def _ttl(form, purpose: str, settings: Settings) -> int | None:
-    anchor = form.get("expires_after[anchor]")
-    seconds = form.get("expires_after[seconds]")
+@dataclass
+class _Events:
+    """python-multipart calls back synchronously; these queue what it saw for the async reader."""
+
+    queue: deque = field(default_factory=deque)
+    headers: dict[bytes, bytes] = field(default_factory=dict)
+    header_name: bytes = b""
+    header_value: bytes = b""
+
+    def callbacks(self) -> dict:
+        return {
+            "on_part_begin": self._begin,
+            "on_header_field": lambda data, start, end: self._add("header_name", data[start:end]),
+            "on_header_value": lambda data, start, end: self._add("header_value", data[start:end]),
+            "on_header_end": self._header_end,
+            "on_headers_finished": lambda: self.queue.append(("part", self.headers)),
+            "on_part_data": lambda data, start, end: self.queue.append(("data", bytes(data[start:end]))),
+            "on_part_end": lambda: self.queue.append(("end", None)),
+        }
+
+    def _begin(self) -> None:
+        self.headers = {}
+
+    def _add(self, name: str, data: bytes) -> None:
+        setattr(self, name, getattr(self, name) + data)
+
+    def _header_end(self) -> None:
+        self.headers[self.header_name.lower()] = self.header_value
+        self.header_name = self.header_value = b""
+
+
+class _FormStream:
+    def __init__(self, request: Request, boundary: bytes) -> None:
+        self.request = request
+        self._body = request.stream()
+        self._events = _Events()
+        self._parser = MultipartParser(boundary, self._events.callbacks())  # type: ignore[arg-type]
+        self._ended = False
+
+    async def _next(self) -> tuple[str, object] | None:
+        while not self._events.queue:
+            if self._ended:
+                return None
+            try:
+                chunk = await anext(self._body)
+            except StopAsyncIteration:
+                self._ended = True
+                self._parser.finalize()
+                continue
+            try:
+                self._parser.write(chunk)
+            except MultipartParseError:
+                raise bad_request("The multipart body could not be parsed.", param="file") from None
+        return self._events.queue.popleft()
+
+    async def parts(self) -> AsyncIterator[_Part]:
+        """Each part in turn; a part's data left unread by the caller is skipped."""
+        count = 0
+        while (event := await self._next()) is not None:
+            kind, value = event
+            if kind != "part":
+                continue
+            count += 1
+            if count > MAX_PARTS:
+                raise bad_request(f"The form has more than {MAX_PARTS} parts.", param="file")
+            assert isinstance(value, dict)
+            _, options = parse_options_header(value.get(b"content-disposition", b""))
+            filename = options.get(b"filename")
+            yield _Part(
+                name=options.get(b"name", b"").decode("utf-8", "replace"),
+                filename=None if filename is None else filename.decode("utf-8", "replace"),
+            )
+
+    async def data(self) -> AsyncIterator[bytes]:
+        """The current part's bytes, up to its end."""
+        while (event := await self._next()) is not None:
+            kind, value = event
+            if kind == "end":
+                return
+            if kind == "data":
+                assert isinstance(value, bytes)
+                yield value
+
+    async def text(self, name: str) -> str:
+        value = b""
+        async for chunk in self.data():
+            value += chunk
+            if len(value) > MAX_FIELD_BYTES:
+                raise bad_request(f"The form field '{name}' is too long.", param=name)
+        try:
+            return value.decode()
+        except UnicodeDecodeError:
+            raise bad_request(f"The form field '{name}' is not valid UTF-8.", param=name) from None
+
+
+def _too_large(limit: int) -> APIError:
+    return APIError(413, f"File is too large. The limit is {limit} bytes.", param="file", code="file_too_large")
+
+
+def _boundary(request: Request) -> bytes:
+    content_type, options = parse_options_header(request.headers.get("content-type", ""))
+    boundary = options.get(b"boundary")
+    if content_type != b"multipart/form-data" or not boundary:
+        raise bad_request("Uploads must be multipart/form-data with fields 'file' and 'purpose'.", param="file")
+    return boundary
+
+
+def _declared_length(request: Request) -> int | None:
+    try:
+        return int(request.headers["content-length"])
+    except (KeyError, ValueError):
+        return None
+
+
+def _limit(settings: Settings, purpose: str | None) -> int:
+    if purpose is None:
+        return max(settings.max_upload_bytes, settings.max_batch_upload_bytes)
+    return settings.upload_limit(purpose)
+
+
+def _check_declared(request: Request, limit: int) -> None:
+    declared = _declared_length(request)
+    if declared is not None and declared > limit + FORM_OVERHEAD:
+        raise _too_large(limit)
+
+
+async def receive_upload(request: Request, *, storage: Storage, settings: Settings) -> Upload:
+    """Stores the file part and returns it with the form's fields; on any error nothing stays in Storage."""
+    form = _FormStream(request, _boundary(request))
+    _check_declared(request, _limit(settings, None))
+    fields: dict[str, str] = {}
+    file_id = new_id("file-")
+    stored: tuple[int, str] | None = None
+    try:
+        async for part in form.parts():
+            if part.name == "file" and part.filename is not None and stored is None:
+                stored = await _store(form, part, fields, file_id, storage=storage, settings=settings)
+            elif part.name in ("purpose", "expires_after[anchor]", "expires_after[seconds]"):
+                fields[part.name] = await form.text(part.name)
+                if part.name == "purpose":
+                    check_purpose(fields["purpose"])
+        return _complete(fields, stored, file_id, settings)
+    except BaseException:
+        if stored is not None:
+            await storage.delete(file_id)
+        raise
+
+
+async def _store(
+    form: _FormStream, part: _Part, fields: dict[str, str], file_id: str, *, storage: Storage, settings: Settings
+) -> tuple[int, str]:
+    limit = _limit(settings, fields.get("purpose"))
+    _check_declared(form.request, limit)
+    filename = part.filename or "upload"
+    if len(filename) > MAX_FILENAME_CHARS:
+        raise bad_request(f"The filename is longer than {MAX_FILENAME_CHARS} characters.", param="file")
+    try:
+        size = await storage.save_stream(file_id, form.data(), max_bytes=limit)
+    except UploadTooLarge:
+        raise _too_large(limit) from None
+    return size, filename
+
+
+def _complete(fields: dict[str, str], stored: tuple[int, str] | None, file_id: str, settings: Settings) -> Upload:
+    if stored is None:
+        raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
+    purpose = fields.get("purpose")
+    if purpose is None:
+        raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
+    size, filename = stored
+    if size > settings.upload_limit(purpose):  # `purpose` came after the file
+        raise _too_large(settings.upload_limit(purpose))
+    ttl = _ttl(fields, purpose, settings)
+    return Upload(file_id=file_id, size=size, filename=filename, purpose=purpose, ttl_seconds=ttl)
+
+
+def _ttl(fields: dict[str, str], purpose: str, settings: Settings) -> int | None:
+    anchor = fields.get("expires_after[anchor]")
+    seconds = fields.get("expires_after[seconds]")
     if anchor is None and seconds is None:
         return settings.batch_file_ttl_seconds if purpose == "batch" else None
-    if anchor != "created_at":
+    # `created_at` is the only anchor there is, so a form that gives only the seconds means it.
+    if anchor not in (None, "created_at"):
         raise bad_request("'expires_after[anchor]' must be 'created_at'.", param="expires_after.anchor")
     try:
         value = int(str(seconds))
@@ -51,22 +237,3 @@ def _ttl(form, purpose: str, settings: Settings) -> int | None:
             param="expires_after.seconds",
         )
     return value
-
-
-async def parse_upload(request: Request, *, settings: Settings) -> Upload:
-    if not request.headers.get("content-type", "").startswith("multipart/form-data"):
-        raise bad_request("Uploads must be multipart/form-data with fields 'file' and 'purpose'.", param="file")
-    form = await request.form()
-    file = form.get("file")
-    if not isinstance(file, UploadFile):
-        raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
-    purpose = form.get("purpose")
-    if not isinstance(purpose, str):
-        await file.close()
-        raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
-    try:
-        ttl = _ttl(form, purpose, settings)
-    except Exception:
-        await file.close()
-        raise
-    return Upload(file=file, filename=file.filename or "upload", purpose=purpose, ttl_seconds=ttl)

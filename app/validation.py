@@ -5,12 +5,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
 
 from app.schemas import BatchError
 
 # A file with thousands of bad lines gets a readable report, not a megabyte of errors.
 MAX_REPORTED_ERRORS = 100
+# Deeper JSON than any real request; deeper would only test the recursion limits of the code that reads it.
+MAX_JSON_DEPTH = 64
+REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
 
 
 @dataclass(frozen=True)
@@ -19,6 +23,7 @@ class Limits:
     served_models: frozenset[str]
     max_requests: int
     max_line_bytes: int
+    max_choices: int = 128
 
 
 @dataclass
@@ -38,15 +43,29 @@ class Report:
         return self.error_count == 0
 
 
-def numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes without the terminator); blank lines are skipped, as OpenAI does."""
+def numbered_lines(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
+    """(1-based line number, line bytes without the terminator); blank lines are skipped, as OpenAI does.
+
+    With `max_line_bytes`, a longer line comes back cut to one byte over the limit, so that a file of one huge
+    line is never held in memory whole.
+    """
+    cap = -1 if max_line_bytes is None else max_line_bytes + 3  # room for a BOM or CRLF around a full line
     with path.open("rb") as src:
-        for number, raw in enumerate(src, start=1):
+        number = 0
+        while raw := src.readline(cap):
+            number += 1
+            if not raw.endswith(b"\n") and len(raw) == cap:
+                _skip_rest_of_line(src)
             line = raw.rstrip(b"\r\n")
             if number == 1 and line.startswith(b"\xef\xbb\xbf"):
                 line = line[3:]
             if line.strip():
                 yield number, line
+
+
+def _skip_rest_of_line(src) -> None:
+    while (rest := src.readline(1 << 20)) and not rest.endswith(b"\n"):
+        pass
 
 
 def validate_lines(lines: Iterable[tuple[int, bytes]], limits: Limits) -> Report:
@@ -72,19 +91,17 @@ def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], re
         report.add("line_too_large", f"This line is larger than {limits.max_line_bytes} bytes.", line=number)
         return
     request = _parse(line)
-    if not isinstance(request, dict):
-        report.add("invalid_json_line", "This line is not parseable as valid JSON.", line=number)
-        return
-    problem = _shape_problem(request, limits.endpoint)
+    problem = _syntax_problem(request) or _shape_problem(request, limits)
     if problem is not None:
         code, message, param = problem
         report.add(code, message, line=number, param=param)
         return
+    assert isinstance(request, dict)
     custom_id = request["custom_id"]
     if custom_id in seen_ids:
         report.add(
             "duplicate_custom_id",
-            f"The custom_id '{custom_id}' is used more than once; custom_id must be unique within a batch.",
+            f"The custom_id {_show(custom_id)} is used more than once; custom_id must be unique within a batch.",
             line=number,
             param="custom_id",
         )
@@ -93,28 +110,90 @@ def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], re
     _check_model(number, request["body"], limits, report)
 
 
+class _Unparsed(Enum):
+    NOT_UTF8 = "not_utf8"
+    NOT_JSON = "not_json"
+
+
+def _reject_constant(name: str) -> object:
+    raise ValueError(f"{name} is not JSON")
+
+
 def _parse(line: bytes) -> object:
     try:
-        return json.loads(line)
+        text = line.decode("utf-8")
+    except UnicodeDecodeError:
+        return _Unparsed.NOT_UTF8
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError):
-        return None
+        return _Unparsed.NOT_JSON
 
 
-def _shape_problem(request: dict, endpoint: str) -> tuple[str, str, str] | None:
+def _depth(value: object) -> int:
+    """Nesting depth of parsed JSON, without recursion."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_JSON_DEPTH:
+                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+Problem = tuple[str, str, str | None]
+
+
+def _syntax_problem(request: object) -> Problem | None:
+    if request is _Unparsed.NOT_UTF8:
+        return "invalid_utf8", "This line is not valid UTF-8 text.", None
+    if request is _Unparsed.NOT_JSON:
+        return "invalid_json_line", "This line is not parseable as valid JSON.", None
+    if not isinstance(request, dict):
+        return "invalid_json_line", "Each line must be a JSON object (a request), not another JSON value.", None
+    if _depth(request) > MAX_JSON_DEPTH:
+        return "nesting_too_deep", f"This line nests JSON deeper than {MAX_JSON_DEPTH} levels.", None
+    unknown = sorted(set(request) - REQUEST_FIELDS)
+    if unknown:
+        return "unknown_parameter", f"Unknown field '{unknown[0]}': a line has only {_fields()}.", unknown[0]
+    return None
+
+
+def _fields() -> str:
+    return ", ".join(f"'{name}'" for name in ("custom_id", "method", "url", "body"))
+
+
+def _shape_problem(request: object, limits: Limits) -> Problem | None:
+    assert isinstance(request, dict)
     custom_id = request.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return "missing_custom_id", "Each line needs a non-empty string 'custom_id'.", "custom_id"
     if request.get("method") != "POST":
         return "invalid_method", "'method' must be 'POST'.", "method"
     url = request.get("url")
-    if url != endpoint:
-        return "mismatched_url", f"'url' is {url!r}, but this batch's endpoint is '{endpoint}'.", "url"
+    if url != limits.endpoint:
+        return "mismatched_url", f"'url' is {_show(url)}, but this batch's endpoint is '{limits.endpoint}'.", "url"
     body = request.get("body")
     if not isinstance(body, dict):
         return "missing_body", "Each line needs a JSON object 'body' with the endpoint's parameters.", "body"
     if body.get("stream") not in (None, False):
         return "invalid_value", "Streaming is not supported in a batch: remove 'stream'.", "body.stream"
+    return _choices_problem(body.get("n"), limits.max_choices)
+
+
+def _choices_problem(n: object, max_choices: int) -> Problem | None:
+    if n is None:
+        return None
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= max_choices:
+        return "invalid_value", f"'n' must be an integer from 1 to {max_choices}; it is {_show(n)}.", "body.n"
     return None
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short: it may be anything the file held."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def _check_model(number: int, body: dict, limits: Limits, report: Report) -> None:
@@ -124,7 +203,7 @@ def _check_model(number: int, body: dict, limits: Limits, report: Report) -> Non
     if not isinstance(model, str) or model not in limits.served_models:
         report.add(
             "model_not_found",
-            f"The model {model!r} is not served here. Served: {', '.join(sorted(limits.served_models))}.",
+            f"The model {_show(model)} is not served here. Served: {', '.join(sorted(limits.served_models))}.",
             line=number,
             param="body.model",
         )
@@ -134,14 +213,14 @@ def _check_model(number: int, body: dict, limits: Limits, report: Report) -> Non
     elif model != report.model:
         report.add(
             "mismatched_model",
-            f"Every line must use the same model: line has '{model}', earlier lines '{report.model}'.",
+            f"Every line must use the same model: line has {_show(model)}, earlier lines {_show(report.model)}.",
             line=number,
             param="body.model",
         )
 
 
 def validate_file(path: Path, limits: Limits) -> Report:
-    return validate_lines(numbered_lines(path), limits)
+    return validate_lines(numbered_lines(path, limits.max_line_bytes), limits)
 
 
 def request_lines(path: Path) -> Iterator[tuple[int, dict]]:

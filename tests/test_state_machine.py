@@ -22,9 +22,9 @@ def db(tmp_path):
     return engine
 
 
-def new_batch(db) -> str:
+def new_batch(db, *, owner: str = "", max_active: int = 0) -> str:
     request = CreateBatchRequest(input_file_id="file-1", endpoint="/v1/chat/completions", completion_window="24h")
-    return batches.create(db=db, request=request, windows={"24h": 86400}).id
+    return batches.create(db=db, request=request, windows={"24h": 86400}, owner=owner, max_active=max_active).id
 
 
 def test_terminal_states_have_no_way_out():
@@ -36,7 +36,7 @@ def test_happy_path_stamps_each_time_once(db):
     for status in ("in_progress", "finalizing", "completed"):
         row = batches.transition(db=db, batch_id=batch_id, to=status)
         assert row.status == status and getattr(row, f"{status}_at") is not None
-    assert batches.get(db=db, batch_id=batch_id).in_progress_at is not None
+    assert batches.get(db=db, batch_id=batch_id, owner="").in_progress_at is not None
 
 
 def test_no_moving_backwards(db):
@@ -53,12 +53,12 @@ def test_no_moving_backwards(db):
 
 def test_cancel_is_idempotent_and_refused_when_finished(db):
     batch_id = new_batch(db)
-    first = batches.request_cancel(db=db, batch_id=batch_id)
-    second = batches.request_cancel(db=db, batch_id=batch_id)
+    first = batches.request_cancel(db=db, batch_id=batch_id, owner="")
+    second = batches.request_cancel(db=db, batch_id=batch_id, owner="")
     assert first.status == second.status == "cancelling" and first.cancelling_at == second.cancelling_at
     batches.transition(db=db, batch_id=batch_id, to="cancelled")
     with pytest.raises(APIError) as refused:
-        batches.request_cancel(db=db, batch_id=batch_id)
+        batches.request_cancel(db=db, batch_id=batch_id, owner="")
     assert refused.value.status_code == 400
 
 
@@ -66,3 +66,25 @@ def test_active_is_in_creation_order(db):
     ids = [new_batch(db) for _ in range(3)]
     batches.transition(db=db, batch_id=ids[1], to="failed")
     assert [row.id for row in batches.active(db=db)] == [ids[0], ids[2]]
+
+
+def test_active_batches_per_key_are_capped_until_one_ends(db):
+    ids = [new_batch(db, max_active=2) for _ in range(2)]
+    with pytest.raises(APIError) as refused:
+        new_batch(db, max_active=2)
+    assert refused.value.status_code == 429 and refused.value.code == "too_many_active_batches"
+    batches.transition(db=db, batch_id=ids[0], to="failed")
+    assert new_batch(db, max_active=2) not in ids
+
+
+def test_another_owner_cannot_use_or_see_the_file_or_batch(db):
+    batch_id = new_batch(db)
+    for call in (
+        lambda: new_batch(db, owner="someone-else"),
+        lambda: batches.get(db=db, batch_id=batch_id, owner="someone-else"),
+        lambda: batches.request_cancel(db=db, batch_id=batch_id, owner="someone-else"),
+    ):
+        with pytest.raises(APIError) as hidden:
+            call()
+        assert hidden.value.status_code == 404
+    assert batches.get(db=db, batch_id=batch_id, owner="").status == "validating"

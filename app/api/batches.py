@@ -6,16 +6,28 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from app import batches
-from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
+from app.api.deps import DbDep, EngineDep, OwnerDep, SettingsDep, StorageDep
 from app.partial_output import Kind, open_partial
 from app.schemas import Batch, BatchList, CreateBatchRequest, ErrorResponse
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"], responses={400: {"model": ErrorResponse}})
+router = APIRouter(
+    prefix="/v1/batches",
+    tags=["batches"],
+    responses={400: {"model": ErrorResponse}, 401: {"model": ErrorResponse}},
+)
 
 
-@router.post("", response_model=Batch, responses={404: {"model": ErrorResponse}})
-def create_batch(body: CreateBatchRequest, db: DbDep, settings: SettingsDep, engine: EngineDep) -> Batch:
-    row = batches.create(db=db, request=body, windows=settings.allowed_windows)
+@router.post("", response_model=Batch, responses={404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
+def create_batch(
+    body: CreateBatchRequest, db: DbDep, settings: SettingsDep, engine: EngineDep, owner: OwnerDep
+) -> Batch:
+    row = batches.create(
+        db=db,
+        request=body,
+        windows=settings.allowed_windows,
+        owner=owner,
+        max_active=settings.max_active_batches_per_key,
+    )
     engine.wake()
     return batches.to_wire(row)
 
@@ -23,20 +35,21 @@ def create_batch(body: CreateBatchRequest, db: DbDep, settings: SettingsDep, eng
 @router.get("", response_model=BatchList)
 def list_batches(
     db: DbDep,
+    owner: OwnerDep,
     limit: Annotated[int, Query(ge=1, le=100)] = 20,
     after: str | None = None,
 ) -> BatchList:
-    return batches.list_batches(db=db, limit=limit, after=after)
+    return batches.list_batches(db=db, owner=owner, limit=limit, after=after)
 
 
 @router.get("/{batch_id}", response_model=Batch, responses={404: {"model": ErrorResponse}})
-def retrieve_batch(batch_id: str, db: DbDep) -> Batch:
-    return batches.to_wire(batches.get(db=db, batch_id=batch_id))
+def retrieve_batch(batch_id: str, db: DbDep, owner: OwnerDep) -> Batch:
+    return batches.to_wire(batches.get(db=db, batch_id=batch_id, owner=owner))
 
 
 @router.post("/{batch_id}/cancel", response_model=Batch, responses={404: {"model": ErrorResponse}})
-def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep) -> Batch:
-    row = batches.request_cancel(db=db, batch_id=batch_id)
+def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -> Batch:
+    row = batches.request_cancel(db=db, batch_id=batch_id, owner=owner)
     engine.wake()
     return batches.to_wire(row)
 
@@ -54,6 +67,8 @@ def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep) -> Batch:
         404: {"model": ErrorResponse},
     },
 )
-async def partial_output(batch_id: str, db: DbDep, storage: StorageDep, kind: Kind = "output") -> StreamingResponse:
-    chunks, size = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind)
+async def partial_output(
+    batch_id: str, db: DbDep, storage: StorageDep, owner: OwnerDep, kind: Kind = "output"
+) -> StreamingResponse:
+    chunks, size = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=owner)
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})

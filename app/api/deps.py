@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Request, Security
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Engine
 
 from app.config import Settings
@@ -28,7 +29,17 @@ def _engine(request: Request) -> EngineService:
     return request.app.state.engine
 
 
+# Declared for the OpenAPI document (and so clients see the scheme); KeyRing reads the header itself.
+_bearer = HTTPBearer(auto_error=False, description="An API key from VBATCH_API_KEYS or VBATCH_API_KEYS_FILE.")
+
+
+def _owner(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]) -> str:
+    return request.app.state.keys.owner(request.headers.get("authorization"))
+
+
 SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Engine, Depends(_db)]
 StorageDep = Annotated[Storage, Depends(_storage)]
 EngineDep = Annotated[EngineService, Depends(_engine)]
+# The caller's owner id; resolving it authenticates the request (401 otherwise).
+OwnerDep = Annotated[str, Depends(_owner)]

@@ -3,14 +3,14 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from app.api.deps import EngineDep
-from app.schemas import HealthStatus, Model, ModelList
+from app.api.deps import EngineDep, OwnerDep
+from app.schemas import ErrorResponse, HealthStatus, Model, ModelList
 
 router = APIRouter(tags=["system"])
 
 
-@router.get("/v1/models", response_model=ModelList)
-def list_models(engine: EngineDep) -> ModelList:
+@router.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+def list_models(engine: EngineDep, _: OwnerDep) -> ModelList:
     return ModelList(
         data=[Model(id=name, created=engine.started_at, owned_by="vbatch") for name in engine.served_models]
     )

@@ -52,7 +52,7 @@ class Context:
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
-    row = batches.get(db=ctx.db, batch_id=batch_id)
+    row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
     if row.status == "validating":
         row = await _validate(ctx, row)
     if row.status in ("in_progress", "cancelling", "finalizing") and row.in_progress_at is not None:
@@ -67,14 +67,15 @@ async def _validate(ctx: Context, row: BatchRow) -> BatchRow:
         served_models=frozenset(ctx.served_models),
         max_requests=ctx.settings.max_requests_per_batch,
         max_line_bytes=ctx.settings.max_line_bytes,
+        max_choices=ctx.settings.max_choices_per_request,
     )
     try:
-        source = files.get(db=ctx.db, file_id=row.input_file_id)
+        source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
         report = await asyncio.to_thread(validate_file, ctx.storage.path(source.id), limits)
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
         return _fail(ctx, row, [("file_not_found", f"The input file {row.input_file_id} cannot be read.")])
-    current = batches.get(db=ctx.db, batch_id=row.id)
+    current = batches.get(db=ctx.db, batch_id=row.id, owner=None)
     if current.status != "validating":  # cancelled while we read
         return current
     if not report.ok:
@@ -241,7 +242,7 @@ class BatchRun:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
             await self.parts.checkpoint(self.ctx.db)
-            status = batches.get(db=self.ctx.db, batch_id=self.row.id).status
+            status = batches.get(db=self.ctx.db, batch_id=self.row.id, owner=None).status
             if status == "cancelling":
                 stop.set_result("cancelled")
                 return
@@ -318,6 +319,7 @@ class BatchRun:
             filename=f"{self.row.id}_{kind}.jsonl",
             purpose=files.OUTPUT_PURPOSE,
             batch_id=self.row.id,
+            owner=self.row.owner,
         )
 
 

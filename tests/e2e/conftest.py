@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import socket
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,8 @@ MODEL = default_model.NAME
 STARTUP_SECONDS = 900
 # Short enough to expire a batch mid-run in a test, alongside OpenAI's 24h.
 TEST_WINDOW = "20s"
+# The shared server runs with keys, as it would on a network; two, to show tenants apart.
+KEYS = (f"sk-e2e-a-{secrets.token_hex(8)}", f"sk-e2e-b-{secrets.token_hex(8)}")
 
 
 def pytest_collection_modifyitems(items):
@@ -49,8 +52,10 @@ def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
         "VBATCH_COMPLETION_WINDOWS": f"24h,{TEST_WINDOW}",
         "VBATCH_MAX_IN_FLIGHT": "8",
         "VBATCH_PROGRESS_LOG_SECONDS": "2",
+        "VBATCH_API_KEYS": ",".join(KEYS),
     }
     running = VbatchServer(base / "data", free_port(), engine_flags(model_path), base / "serve.log", env=env)
+    running.log_path = base / "serve.log"
     try:
         running.wait_ready(timeout=STARTUP_SECONDS)
         yield running
@@ -62,4 +67,9 @@ def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
 
 @pytest.fixture(scope="session")
 def openai_client(server) -> OpenAI:
-    return OpenAI(base_url=f"{server.base_url}/v1", api_key="e2e", max_retries=0, timeout=60)
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[0], max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def other_tenant(server) -> OpenAI:
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[1], max_retries=0, timeout=60)

@@ -95,7 +95,9 @@ def test_cancel_while_running_keeps_finished_results(openai_client):
 
 
 def test_expiry_keeps_finished_results(openai_client):
-    lines = [chat_line(f"e{i}", f"Describe the colour number {i} at length.", max_tokens=24) for i in range(60)]
+    # Far more work than the window holds on a CPU (about 15,000 tokens in 20 s); 60 lines once finished in time.
+    count = 240
+    lines = [chat_line(f"e{i}", f"Describe the colour number {i} at length.", max_tokens=64) for i in range(count)]
     uploaded = openai_client.files.create(file=("expire.jsonl", to_jsonl(lines)), purpose="batch")
     batch = openai_client.batches.create(
         input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window=TEST_WINDOW
@@ -105,7 +107,7 @@ def test_expiry_keeps_finished_results(openai_client):
     outputs = lines_of(openai_client, done.output_file_id)
     errors = lines_of(openai_client, done.error_file_id)
     assert len(outputs) >= 1 and len(errors) >= 1
-    assert Counter(line["custom_id"] for line in outputs + errors) == Counter(f"e{i}" for i in range(60))
+    assert Counter(line["custom_id"] for line in outputs + errors) == Counter(f"e{i}" for i in range(count))
     assert {e["error"]["code"] for e in errors} == {"batch_expired"}
     assert all(e["response"] is None for e in errors)
 

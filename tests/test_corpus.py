@@ -1,0 +1,61 @@
+"""The malformed-batch corpus (tests/data/malformed, made by make_corpus.py): each file fails validation with
+its expected first error, directly and through the API, and nothing else is lost on the way."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from app.config import Settings
+from app.validation import Limits, validate_file
+from tests.helpers import create_batch, upload, wait_status
+
+CORPUS = Path(__file__).resolve().parent / "data" / "malformed"
+EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text())
+LIMITS = Limits(
+    endpoint="/v1/chat/completions",
+    served_models=frozenset({"fake-model"}),
+    max_requests=20,
+    max_line_bytes=20_000,
+    max_choices=8,
+)
+
+
+def test_the_corpus_is_big_enough_and_complete():
+    assert len(EXPECTED) >= 40
+    assert sorted(EXPECTED) == sorted(p.name for p in CORPUS.glob("*.jsonl"))
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED))
+def test_validator_reports_the_expected_first_error(name):
+    report = validate_file(CORPUS / name, LIMITS)
+    first = report.errors[0]
+    assert (first.code, first.line) == (EXPECTED[name]["code"], EXPECTED[name]["line"]), first.message
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(
+        data_dir=tmp_path / "data",
+        max_requests_per_batch=LIMITS.max_requests,
+        max_line_bytes=LIMITS.max_line_bytes,
+        max_choices_per_request=LIMITS.max_choices,
+        max_active_batches_per_key=0,
+    )
+
+
+def test_every_corpus_file_fails_its_batch_with_that_error_through_the_api(client, fake_engine):
+    batch_ids = {}
+    for name in sorted(EXPECTED):
+        file_id = upload(client, (CORPUS / name).read_bytes(), filename=name)["id"]
+        batch_ids[name] = create_batch(client, file_id)["id"]
+    for name, batch_id in batch_ids.items():
+        batch = wait_status(client, batch_id, {"failed"})
+        first = batch["errors"]["data"][0]
+        assert (first["code"], first["line"]) == (EXPECTED[name]["code"], EXPECTED[name]["line"]), name
+    assert fake_engine.executor.calls == 0
+    listed = client.get("/v1/files", params={"purpose": "batch"}).json()["data"]
+    assert {f["filename"] for f in listed} == set(EXPECTED)
+    assert client.get("/health").status_code == 200
