@@ -29,7 +29,11 @@ def read_keys(*, inline: str, path: Path | None) -> list[str]:
     """Keys from `VBATCH_API_KEYS` (comma-separated) and `VBATCH_API_KEYS_FILE` (one a line, `#` comments)."""
     keys = [k.strip() for k in inline.split(",")]
     if path is not None:
-        keys += [line.strip() for line in path.read_text().splitlines() if not line.lstrip().startswith("#")]
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise ValueError(f"VBATCH_API_KEYS_FILE {path} cannot be read: {exc.strerror}") from None
+        keys += [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
     return [k for k in keys if k]
 
 

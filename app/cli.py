@@ -83,7 +83,11 @@ def serve(argv: list[str]) -> None:
 def _check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
     from app.auth import open_binding_refusal
 
-    keys = len(settings.read_api_keys())
+    try:
+        keys = len(settings.read_api_keys())
+    except ValueError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
     refusal = open_binding_refusal(host=settings.host, keys=keys, insecure_no_auth=insecure_no_auth)
     if refusal:
         log.error(refusal)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -182,3 +183,27 @@ def run_batch_through_sdk(
     if batch.status != "completed":
         raise RuntimeError(f"batch ended {batch.status}: {batch.errors}")
     return result
+
+
+class SideResults:
+    """Each side of a comparison measured in turn; written to `path` after every side, so a run cut short still
+    reports what it finished, and one side's failure does not lose the others' numbers."""
+
+    def __init__(self, path: Path, meta: dict) -> None:
+        self.path = path
+        self.data: dict = {"meta": meta, "sides": {}}
+
+    def side(self, name: str, measure: Callable[[], dict]) -> None:
+        try:
+            self.data["sides"][name] = measure()
+        except Exception as exc:
+            self.data["sides"][name] = {"error": f"{type(exc).__name__}: {exc}"}
+        print(json.dumps({name: self.data["sides"][name]}), flush=True)
+        self.path.write_text(json.dumps(self.data, indent=2))
+
+
+def warm_up(base_url: str, out: Path, model: str, sampling: dict) -> None:
+    """An 8-line batch through a fresh service, so the measured batch finds the engine warm."""
+    warmup = out / "warmup.jsonl"
+    write_ticket_batch(warmup, 8, model=model, sampling={**sampling, "max_tokens": 4})
+    run_batch_through_sdk(base_url, warmup, hammer=False)

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import VbatchServer, run_batch_through_sdk, run_logged, write_ticket_batch
+from bench.common import VbatchServer, run_batch_through_sdk, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
@@ -34,9 +34,7 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     server = VbatchServer(out / "vbatch-data", 8123, engine_flags(args), out / "vbatch-serve.log")
     try:
         start_s = server.wait_ready(timeout=400)
-        warmup = out / "warmup.jsonl"
-        write_ticket_batch(warmup, 8, model=SERVED, sampling={**SAMPLING, "max_tokens": 4})
-        run_batch_through_sdk(server.base_url, warmup)
+        warm_up(server.base_url, out, SERVED, SAMPLING)
         measured = run_batch_through_sdk(server.base_url, tickets, hammer=args.poll_load)
         return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary()}
     finally:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import argparse
 import json
-from collections.abc import Callable
 from pathlib import Path
 
 from bench import compare, shapes
-from bench.common import VbatchServer, run_batch_through_sdk, write_ticket_batch
+from bench.common import SideResults, VbatchServer, run_batch_through_sdk, warm_up, write_ticket_batch
 
 
 def main() -> None:
@@ -33,22 +32,12 @@ def main() -> None:
     write_ticket_batch(tickets, 2000, model=compare.SERVED, sampling=compare.SAMPLING)
     shapes.random_token_batch(random_file, 1000, 1024, 256, vocab=150_000)
     shapes.shared_prefix_batch(prefix_file, 2000, 32)
-    results: dict = {"meta": json.loads(args.meta), "sides": {}}
-
-    def side(name: str, measure: Callable[[], dict]) -> None:
-        try:
-            results["sides"][name] = measure()
-        except Exception as exc:  # keep the other sides' numbers
-            results["sides"][name] = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps({name: results["sides"][name]}), flush=True)
-        args.results.write_text(json.dumps(results, indent=2))
+    side = SideResults(args.results, json.loads(args.meta)).side
 
     server = VbatchServer(args.out / "vbatch-data", 8125, flags, args.out / "vbatch-serve.log")
     try:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
-        warmup = args.out / "warmup.jsonl"
-        write_ticket_batch(warmup, 8, model=compare.SERVED, sampling={**compare.SAMPLING, "max_tokens": 4})
-        run_batch_through_sdk(server.base_url, warmup)
+        warm_up(server.base_url, args.out, compare.SERVED, compare.SAMPLING)
         side("vbatch_tickets", lambda: run_batch_through_sdk(server.base_url, tickets).summary())
         for name, value in shapes.vbatch_sides(server.base_url, random_file, prefix_file).items():
             side(name, lambda value=value: value)

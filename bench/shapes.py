@@ -32,11 +32,11 @@ def random_token_batch(path: Path, count: int, input_len: int, output_len: int, 
             out.write("\n")
 
 
-def instructions(task: int) -> str:
+def instructions(task: int, rules_count: int = 110) -> str:
     words = ["invoice", "refund", "outage", "password", "export", "quota", "latency", "upgrade", "region", "token"]
     labels = ["billing", "access", "reliability", "data", "capacity"]
     rules = [f"Task {task} labelling guide. Read every rule before you answer."]
-    for i in range(110):
+    for i in range(rules_count):
         word, label = words[(i * 7 + task) % len(words)], labels[(i + task) % len(labels)]
         rules.append(f"Rule {task}.{i}: if the ticket mentions '{word}' together with case {i * 13 % 97}, label it "
                      f"'{label}' unless a later rule says otherwise.")  # fmt: skip
@@ -80,18 +80,29 @@ def bench_throughput_side(model: str, max_model_len: int, out: Path) -> dict:
     }
 
 
-def run_batch_prefix_side(prefix_file: Path, flags: list[str], out: Path) -> dict:
-    output = out / "run-batch-prefix.jsonl"
+def run_batch_prefix_side(prefix_file: Path, flags: list[str], out: Path, timeout: float = 300) -> dict:
+    output = out / f"run-batch-{prefix_file.stem}.jsonl"
     command = [sys.executable, "-m", "vllm.entrypoints.openai.run_batch", "-i", str(prefix_file), "-o", str(output),
                "--enable-prompt-tokens-details", *flags]  # fmt: skip
     started = time.monotonic()
-    run_logged(command, out / "run-batch-prefix.log", timeout=300)
+    log = out / f"run-batch-{prefix_file.stem}.log"
+    run_logged(command, log, timeout=timeout)
     whole = time.monotonic() - started
     usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
              for x in output.read_text().splitlines()]  # fmt: skip
     return {
         "whole_s": round(whole, 2),
+        "progress_bar_s": progress_bar_seconds(log.read_text(errors="replace")),
         "output_tokens": sum(u.get("completion_tokens", 0) for u in usage),
         "input_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
         "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage),
     }
+
+
+def progress_bar_seconds(log: str) -> int | None:
+    """run-batch's own clock for its requests: the elapsed time on the last tqdm bar it drew (whole seconds)."""
+    bars = re.findall(r"(\d+)/(\d+) \[(?:(\d+):)?(\d+):(\d+)<", log)
+    if not bars:
+        return None
+    _, _, hours, minutes, seconds = bars[-1]
+    return int(hours or 0) * 3600 + int(minutes) * 60 + int(seconds)

@@ -1,0 +1,77 @@
+"""Shared prefixes that outgrow the KV cache (docs/benchmarks.md, issue 6 goal 4), in one device call.
+
+Many tasks, each a ~2,000-token instruction block, a few short rows each, the lines shuffled: more distinct
+prefixes than the engine's cache holds, so the order the engine sees them in decides how often a block is
+computed again. Three sides on the same file: a warm vbatch (which regroups lines by prefix), `vllm run-batch`
+on the shuffled file, and `vllm run-batch` on the same lines pre-sorted by task (what ordering alone is worth).
+
+  . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.prefix_scale --model $BENCH_MODEL \\
+      --out /tmp/ps --results $OUT/prefix-scale.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from bench import compare, shapes
+from bench.common import SideResults, VbatchServer, run_batch_through_sdk, warm_up
+
+
+def prefix_lines(tasks: int, rows: int, rules: int, max_tokens: int) -> list[dict]:
+    lines = []
+    for task in range(tasks):
+        block = shapes.instructions(task, rules)
+        for row in range(rows):
+            content = f"{block}\n\nTicket {task}-{row}: customer writes about issue {row * 31 % 1000}. Label:"
+            body = {"model": shapes.SERVED, "messages": [{"role": "user", "content": content}],
+                    "max_tokens": max_tokens, "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+            lines.append({"custom_id": f"t{task}-r{row}", "method": "POST", "url": "/v1/chat/completions",
+                          "body": body})  # fmt: skip
+    return lines
+
+
+def write(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--tasks", type=int, default=1000)
+    parser.add_argument("--rows", type=int, default=3)
+    parser.add_argument("--rules", type=int, default=60, help="rules per instruction block (60: ~2,000 tokens)")
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--meta", default="{}")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
+    flags = compare.engine_flags(engine)
+    grouped = prefix_lines(args.tasks, args.rows, args.rules, args.max_tokens)
+    shuffled = random.Random(1).sample(grouped, len(grouped))
+    shuffled_file, grouped_file = (
+        write(args.out / "shuffled.jsonl", shuffled),
+        write(args.out / "grouped.jsonl", grouped),
+    )
+    meta = {**json.loads(args.meta), **{k: str(v) for k, v in vars(args).items()}, "lines": len(grouped)}
+    side = SideResults(args.results, meta).side
+
+    server = VbatchServer(args.out / "vbatch-data", 8127, flags, args.out / "vbatch-serve.log")
+    try:
+        side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
+        warm_up(server.base_url, args.out, compare.SERVED, compare.SAMPLING)
+        side("vbatch_shuffled", lambda: run_batch_through_sdk(server.base_url, shuffled_file, hammer=False).summary())
+    finally:
+        server.stop()
+    side("run_batch_shuffled", lambda: shapes.run_batch_prefix_side(shuffled_file, flags, args.out, timeout=400))
+    side("run_batch_grouped", lambda: shapes.run_batch_prefix_side(grouped_file, flags, args.out, timeout=300))
+
+
+if __name__ == "__main__":
+    main()
