@@ -49,6 +49,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--meta", default="{}")
+    parser.add_argument("--sides", default="vbatch,run_batch_shuffled,run_batch_grouped")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
@@ -62,15 +63,23 @@ def main() -> None:
     meta = {**json.loads(args.meta), **{k: str(v) for k, v in vars(args).items()}, "lines": len(grouped)}
     side = SideResults(args.results, meta).side
 
-    server = VbatchServer(args.out / "vbatch-data", 8127, flags, args.out / "vbatch-serve.log")
+    sides = args.sides.split(",")
+    if "vbatch" in sides:
+        vbatch_side(side, args.out, flags, shuffled_file)
+    if "run_batch_shuffled" in sides:
+        side("run_batch_shuffled", lambda: shapes.run_batch_prefix_side(shuffled_file, flags, args.out, timeout=400))
+    if "run_batch_grouped" in sides:
+        side("run_batch_grouped", lambda: shapes.run_batch_prefix_side(grouped_file, flags, args.out, timeout=300))
+
+
+def vbatch_side(side, out: Path, flags: list[str], shuffled_file: Path) -> None:
+    server = VbatchServer(out / "vbatch-data", 8127, flags, out / "vbatch-serve.log")
     try:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
-        warm_up(server.base_url, args.out, compare.SERVED, compare.SAMPLING)
+        warm_up(server.base_url, out, compare.SERVED, compare.SAMPLING)
         side("vbatch_shuffled", lambda: run_batch_through_sdk(server.base_url, shuffled_file, hammer=False).summary())
     finally:
         server.stop()
-    side("run_batch_shuffled", lambda: shapes.run_batch_prefix_side(shuffled_file, flags, args.out, timeout=400))
-    side("run_batch_grouped", lambda: shapes.run_batch_prefix_side(grouped_file, flags, args.out, timeout=300))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,14 @@
-"""Prefix-aware feeding: shared-prefix lines go together, each group behind a one-token warm-up."""
+"""Prefix-aware feeding: lines that share a long prefix are sent to the engine together, nothing else added."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import Counter
 
-from app.engine.ordering import PREFIX_CHARS, ordered_lines, plan, warm_up_body
+from app.engine.ordering import PREFIX_CHARS, ordered_lines, plan
 from tests.helpers import create_batch, jsonl, read_jsonl, upload, wait_status
 
-INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABC"}
+INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABCD"}
 
 
 def task_line(custom_id: str, task: str | None, row: str) -> dict:
@@ -23,6 +23,8 @@ def interleaved() -> list[dict]:
         for task in "AB":
             lines.append(task_line(f"{task}{i}", task, str(i)))
         lines.append(task_line(f"s{i}", None, str(i)))
+        if i in (1, 4):
+            lines.append(task_line(f"D{i}", "D", "one of two"))
     lines.append(task_line("C0", "C", "only one"))
     return lines
 
@@ -33,41 +35,32 @@ def test_plan_groups_shared_prefixes_in_first_appearance_order(tmp_path):
     path.write_bytes(jsonl(lines))
     groups = plan(path)
     ids = [[lines[n - 1]["custom_id"] for n in g.numbers] for g in groups]
-    assert [g.shared_prefix for g in groups] == [True, True, False]
+    assert [g.shared_prefix for g in groups] == [True, True, False, True, False]
     assert ids[0] == [f"A{i}" for i in range(6)] and ids[1] == [f"B{i}" for i in range(6)]
-    # Lines without a shared prefix (and a group too small to warm) keep their relative order.
-    assert ids[2] == [f"s{i}" for i in range(6)] + ["C0"]
+    # Two lines are enough to group; lines whose prefix nobody shares keep their relative order between groups.
+    assert ids[2] == ["s0", "s1"] and ids[3] == ["D1", "D4"]
+    assert ids[4] == [f"s{i}" for i in range(2, 6)] + ["C0"]
 
 
-def test_ordered_lines_warms_each_group_once_and_skips_done(tmp_path):
+def test_ordered_lines_follow_the_plan_and_skip_done(tmp_path):
     path = tmp_path / "in.jsonl"
     lines = interleaved()
     path.write_bytes(jsonl(lines))
-    warmed: list[str] = []
-
-    async def warm(number: int, body: dict) -> None:
-        warmed.append(body["messages"][0]["content"][:6])
+    groups = plan(path)
 
     async def collect() -> list[str]:
-        return [r["custom_id"] async for _, r in ordered_lines(path, plan(path), skip={1}, warm=warm)]
+        return [r["custom_id"] async for _, r in ordered_lines(path, groups, skip={1})]
 
-    fed = asyncio.run(collect())
-    assert warmed == ["Task A", "Task B"]
-    assert "A0" not in fed and Counter(fed) == Counter(x["custom_id"] for x in lines[1:])
-
-
-def test_warm_up_is_one_token():
-    body = {"model": "m", "messages": [], "max_completion_tokens": 300, "n": 4}
-    assert warm_up_body(body) == {"model": "m", "messages": [], "max_tokens": 1}
-    assert warm_up_body({"model": "m", "input": "x", "max_output_tokens": 9})["max_output_tokens"] == 1
+    planned = [lines[n - 1]["custom_id"] for g in groups for n in g.numbers if n != 1]
+    assert asyncio.run(collect()) == planned and "A0" not in planned
 
 
-def test_service_feeds_groups_behind_warm_ups_and_writes_no_warm_up_line(client, fake_engine):
-    source = upload(client, jsonl(interleaved()))
+def test_service_feeds_lines_in_plan_order_and_nothing_else(client, fake_engine):
+    lines = interleaved()
+    source = upload(client, jsonl(lines))
     done = wait_status(client, create_batch(client, source["id"])["id"], {"completed"})
     outputs = read_jsonl(client, done["output_file_id"])
-    assert Counter(o["custom_id"] for o in outputs) == Counter(x["custom_id"] for x in interleaved())
-    assert fake_engine.executor.calls == len(interleaved()) + 2
-    assert done["request_counts"]["completed"] == len(interleaved())
-    first = fake_engine.executor.bodies[0]
-    assert first["max_tokens"] == 1 and first["messages"][0]["content"].startswith("Task A")
+    assert Counter(o["custom_id"] for o in outputs) == Counter(x["custom_id"] for x in lines)
+    assert fake_engine.executor.calls == len(lines) == done["request_counts"]["completed"]
+    sent = [b["messages"][0]["content"] for b in fake_engine.executor.bodies]
+    assert [text[:6] for text in sent[:12]] == ["Task A"] * 6 + ["Task B"] * 6

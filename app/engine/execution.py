@@ -7,13 +7,10 @@ size of the file, and no task is built per line.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from app.engine.ordering import warm_up_body
 from app.results import Outcome, http_outcome
-
-GENERATIVE = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 class Executor(Protocol):
@@ -97,21 +94,3 @@ async def _gather_or_cancel(tasks: list[asyncio.Task]) -> None:
             raise task.exception()  # type: ignore[misc]
     if pending:
         await asyncio.gather(*pending)
-
-
-def warmer(
-    executor: Executor, endpoint: str, in_flight: set[int] | None = None
-) -> Callable[[int, dict], Awaitable[None]] | None:
-    """A one-token request ahead of each shared-prefix group (generation endpoints only); its answer is dropped."""
-    if endpoint not in GENERATIVE:
-        return None
-
-    async def warm(number: int, body: dict) -> None:
-        # Counted as its line in flight: if the engine dies on the warm-up, that line is the suspect.
-        if in_flight is not None:
-            in_flight.add(number)
-        await executor.execute(endpoint, warm_up_body(body))
-        if in_flight is not None:
-            in_flight.discard(number)
-
-    return warm

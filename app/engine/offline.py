@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from app.batches import Progress
-from app.engine.execution import run_lines, warmer
+from app.engine.execution import run_lines
 from app.engine.ordering import ordered_lines, plan
 from app.engine.vllm_adapter import live_engine
 from app.results import Outcome, add_usage, line_for
@@ -69,7 +69,7 @@ async def run_file(args: argparse.Namespace, *, input_path: Path, output: Path, 
         in_flight = serving.max_num_seqs * 2
         groups = await asyncio.to_thread(plan, input_path)
         await run_lines(
-            ordered_lines(input_path, groups, skip=set(), warm=warmer(serving, endpoint)),
+            ordered_lines(input_path, groups, skip=set()),
             executor=serving,
             endpoint=endpoint,
             slots=asyncio.Semaphore(in_flight),

@@ -1,7 +1,10 @@
 """Prefix-aware feeding: lines that open with the same long text (instructions, few-shot examples) are sent to
-the engine together, and each such group is led by a one-token warm-up request, so that vLLM computes the shared
-prefix once and every line of the group finds it in the prefix cache, instead of several lines of one step each
-computing it again.
+the engine one after another, so the shared prefix is computed once and the rest of its group finds it in vLLM's
+prefix cache. In a shuffled file whose distinct prefixes outgrow the cache, the engine would otherwise evict a
+prefix between two of its lines and compute it again (docs/benchmarks.md, "prefixes that outgrow the cache").
+
+No warm-up request leads a group: measured on vLLM 0.26, lines of a group sent together already reach the
+cache-hit ceiling, and awaiting a warm-up stalled the feed once per group.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from array import array
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,9 +20,7 @@ from app.validation import numbered_lines
 
 # Lines that agree on this many leading characters (about 500 tokens) are taken to share a prefix worth caching.
 PREFIX_CHARS = 2048
-MIN_GROUP = 4
-
-Warm = Callable[[int, dict], Awaitable[None]]  # (line number, body) of the line it warms up for
+MIN_GROUP = 2
 
 
 @dataclass
@@ -63,7 +64,7 @@ def _offsets(path: Path) -> dict[int, int]:
 
 def plan(path: Path) -> list[Group]:
     """Groups in order of first appearance: a shared-prefix group holds every line with that prefix; lines
-    without one (or in groups too small to pay for a warm-up) keep their own order between the groups."""
+    without one (or whose prefix no other line shares) keep their own order between the groups."""
     offsets = _offsets(path)
     by_digest: dict[bytes, Group] = {}
     order: list[tuple[bytes | None, int, int]] = []
@@ -88,27 +89,11 @@ def plan(path: Path) -> list[Group]:
     return groups
 
 
-async def ordered_lines(
-    path: Path, groups: list[Group], *, skip: set[int], warm: Warm | None
-) -> AsyncIterator[tuple[int, dict]]:
+async def ordered_lines(path: Path, groups: list[Group], *, skip: set[int]) -> AsyncIterator[tuple[int, dict]]:
     with path.open("rb") as src:
         for group in groups:
-            warmed = False
             for number, offset in zip(group.numbers, group.offsets, strict=True):
                 if number in skip:
                     continue
                 src.seek(offset)
-                request = json.loads(src.readline().lstrip(b"\xef\xbb\xbf"))
-                if group.shared_prefix and not warmed and warm is not None:
-                    await warm(number, request["body"])
-                    warmed = True
-                yield number, request
-
-
-def warm_up_body(body: dict) -> dict:
-    """The same request, cut to one output token: enough to put its prompt's blocks into the prefix cache."""
-    short = {k: v for k, v in body.items() if k not in ("n", "best_of", "logprobs", "top_logprobs")}
-    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
-        short.pop(name, None)
-    short["max_output_tokens" if "input" in body and "messages" not in body else "max_tokens"] = 1
-    return short
+                yield number, json.loads(src.readline().lstrip(b"\xef\xbb\xbf"))

@@ -20,7 +20,7 @@ from sqlalchemy.engine import Engine
 
 from app import batches, clock, failpoints, files
 from app.config import Settings
-from app.engine.execution import EngineDead, run_lines, warmer
+from app.engine.execution import EngineDead, run_lines
 from app.engine.live import LiveEngine
 from app.engine.ordering import Group, ordered_lines, plan
 from app.engine.parts import PartFiles
@@ -174,9 +174,7 @@ class BatchRun:
 
         try:
             await run_lines(
-                ordered_lines(
-                    self.input_path, groups, skip=self.parts.done, warm=warmer(ctx.engine, self.row.endpoint, in_flight)
-                ),
+                ordered_lines(self.input_path, groups, skip=self.parts.done),
                 executor=ctx.engine,
                 endpoint=self.row.endpoint,
                 slots=ctx.slots,
