@@ -24,6 +24,23 @@ SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
             "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
 
 
+def device_parser() -> argparse.ArgumentParser:
+    """The options every one-call GPU comparison takes (bench/gpu.py, prefix_scale.py, random_shape.py)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results", type=Path, required=True)
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--meta", default="{}")
+    return parser
+
+
+def device_engine_flags(args: argparse.Namespace) -> list[str]:
+    """Dummy weights, compiled (no --enforce-eager): the engine every GPU side runs."""
+    args.out.mkdir(parents=True, exist_ok=True)
+    return engine_flags(argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False))
+
+
 def engine_flags(args: argparse.Namespace) -> list[str]:
     flags = ["--model", args.model, "--served-model-name", SERVED, "--max-model-len", str(args.max_model_len)]
     flags += ["--load-format", "dummy"] if args.dummy else []

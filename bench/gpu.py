@@ -11,23 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 from bench import compare, shapes
 from bench.common import SideResults, VbatchServer, run_batch_through_sdk, warm_up, write_ticket_batch
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--results", type=Path, required=True)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--meta", default="{}")
+    parser = compare.device_parser()
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    flags = compare.device_engine_flags(args)
     engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
-    flags = compare.engine_flags(engine)
     tickets, random_file, prefix_file = (args.out / n for n in ("tickets.jsonl", "random.jsonl", "prefix.jsonl"))
     write_ticket_batch(tickets, 2000, model=compare.SERVED, sampling=compare.SAMPLING)
     shapes.random_token_batch(random_file, 1000, 1024, 256, vocab=150_000)

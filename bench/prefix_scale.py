@@ -11,7 +11,6 @@ on the shuffled file, and `vllm run-batch` on the same lines pre-sorted by task 
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
@@ -39,21 +38,14 @@ def write(path: Path, lines: list[dict]) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--results", type=Path, required=True)
+    parser = compare.device_parser()
     parser.add_argument("--tasks", type=int, default=1000)
     parser.add_argument("--rows", type=int, default=3)
     parser.add_argument("--rules", type=int, default=60, help="rules per instruction block (60: ~2,000 tokens)")
     parser.add_argument("--max-tokens", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=8192)
-    parser.add_argument("--meta", default="{}")
     parser.add_argument("--sides", default="vbatch,run_batch_shuffled,run_batch_grouped")
     args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
-    engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
-    flags = compare.engine_flags(engine)
+    flags = compare.device_engine_flags(args)
     grouped = prefix_lines(args.tasks, args.rows, args.rules, args.max_tokens)
     shuffled = random.Random(1).sample(grouped, len(grouped))
     shuffled_file, grouped_file = (
