@@ -131,6 +131,12 @@ def test_create_rejections(client):
          "input_file_id", 404),
         ({"input_file_id": source["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
           "metadata": {f"k{i}": "v" for i in range(17)}}, "metadata", 400),
+        ({"input_file_id": source["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+          "metadata": {"k" * 65: "v"}}, "metadata", 400),
+        ({"input_file_id": source["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+          "metadata": {"k": "v" * 513}}, "metadata", 400),
+        ({"input_file_id": source["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h",
+          "metadata": {"k": 5}}, "metadata.k", 400),
     ]  # fmt: skip
     for body, param, status in cases:
         response = client.post("/v1/batches", json=body)

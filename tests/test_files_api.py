@@ -117,3 +117,21 @@ def test_bad_limit_is_400_envelope(client):
     assert response.status_code == 400
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
     assert response.json()["error"]["param"] == "limit"
+
+
+def test_overlong_filename_is_400_and_stores_nothing(client, settings):
+    response = client.post("/v1/files", files={"file": ("x" * 1025, b"{}\n")}, data={"purpose": "batch"})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert [p.name for p in settings.files_dir.iterdir()] == []
+
+
+def test_a_form_without_a_file_part_or_with_junk_is_400(client, settings):
+    boundary = "b0undary"
+    junk = f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--{boundary}--\r\n'
+    for content in (junk.encode(), b"not a multipart body at all"):
+        response = client.post(
+            "/v1/files", content=content, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}
+        )
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == "file"
+    assert [p.name for p in settings.files_dir.iterdir()] == []
