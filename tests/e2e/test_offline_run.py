@@ -28,3 +28,23 @@ def test_vbatch_run_writes_output_and_error_files(tmp_path, model_path):
     assert all(o["response"]["body"]["model"] == MODEL for o in outputs)
     assert failures[0]["response"]["status_code"] == 400 and failures[0]["error"] is None
     assert "2 succeeded, 1 failed" in finished.stderr
+
+
+def test_vbatch_run_embeds_with_a_pooling_engine(tmp_path, model_path):
+    lines = [
+        {"custom_id": "one", "method": "POST", "url": "/v1/embeddings", "body": {"model": MODEL, "input": "hello"}},
+        {"custom_id": "two", "method": "POST", "url": "/v1/embeddings", "body": {"model": MODEL, "input": ["a", "b"]}},
+    ]
+    source, output = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(to_jsonl(lines))
+    command = [sys.executable, "-m", "app", "run", "-i", str(source), "-o", str(output), "--runner", "pooling"]
+    finished = subprocess.run(command + engine_flags(model_path), cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    outputs = {o["custom_id"]: o for o in map(json.loads, output.read_text().splitlines())}
+    assert set(outputs) == {"one", "two"}
+    for custom_id, count in (("one", 1), ("two", 2)):
+        body = outputs[custom_id]["response"]["body"]
+        assert body["object"] == "list" and len(body["data"]) == count
+        vectors = [item["embedding"] for item in body["data"]]
+        assert len({len(v) for v in vectors}) == 1 and all(any(x != 0 for x in v) for v in vectors)
+        assert body["usage"]["prompt_tokens"] > 0

@@ -63,6 +63,23 @@ def test_completions_batch(openai_client):
     assert all(o["response"]["body"]["choices"][0]["text"] for o in outputs)
 
 
+def test_responses_batch(openai_client):
+    lines = [
+        {"custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+         "body": {"model": MODEL, "input": f"Name the colour number {i}.", "max_output_tokens": 6}}
+        for i in range(2)
+    ]  # fmt: skip
+    done = wait_terminal(openai_client, submit(openai_client, lines, endpoint="/v1/responses").id)
+    errors = lines_of(openai_client, done.error_file_id)
+    assert done.status == "completed" and done.request_counts.completed == 2, errors
+    outputs = lines_of(openai_client, done.output_file_id)
+    assert sorted(o["custom_id"] for o in outputs) == ["r0", "r1"]
+    bodies = [o["response"]["body"] for o in outputs]
+    assert all(b["object"] == "response" and b["status"] in ("completed", "incomplete") for b in bodies)
+    assert done.usage.output_tokens == sum(b["usage"]["output_tokens"] for b in bodies) > 0
+    assert done.usage.input_tokens == sum(b["usage"]["input_tokens"] for b in bodies) > 0
+
+
 def test_invalid_file_fails_with_line_numbers(openai_client):
     lines = [chat_line("a", "hi"), chat_line("a", "again"), chat_line("b", "hi") | {"url": "/v1/embeddings"}]
     lines.append(chat_line("c", "hi") | {"body": {"model": "gpt-4o", "messages": []}})
