@@ -60,14 +60,18 @@ class VbatchServer:
         )  # fmt: skip
 
     def wait_ready(self, timeout: float) -> float:
+        """Seconds until /health says ok; every status it answered on the way is kept in `health_seen`."""
         deadline = self.started + timeout
+        self.health_seen: set[str] = set()
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
                 raise RuntimeError(f"vbatch serve exited with {self.process.returncode}; see {self.log.name}")
             try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
+                response = httpx.get(f"{self.base_url}/health", timeout=2)
+                self.health_seen.add(response.json()["status"])
+                if response.status_code == 200:
                     return time.monotonic() - self.started
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError, KeyError):
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"vbatch serve was not ready in {timeout} s; see {self.log.name}")

@@ -69,7 +69,8 @@ class FakeEngineService(EngineService):
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
         self.served_models = [MODEL]
-        return _FakeServing(self.executor)
+        self.serving = _FakeServing(self.executor)
+        return self.serving
 
     async def _stop_engine(self) -> None:
         pass
@@ -80,6 +81,10 @@ class _FakeServing:
 
     def __init__(self, executor: FakeExecutor) -> None:
         self.executor = executor
+        self.alive = True  # a test sets it False to stand for an engine that died while idle
+
+    async def is_alive(self) -> bool:
+        return self.alive
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         return await self.executor.execute(endpoint, body)

@@ -206,3 +206,14 @@ def test_engine_that_cannot_restart_keeps_results_and_the_api_up(client, fake_en
     current = client.get(f"/v1/batches/{batch['id']}").json()
     assert current["status"] == "in_progress"
     assert client.get("/v1/files").status_code == 200
+
+
+def test_an_engine_that_dies_while_idle_is_restarted_and_health_says_so(client, fake_engine):
+    assert client.get("/health").json()["status"] == "ok" and fake_engine.starts == 1
+    fake_engine.serving.alive = False
+    wait_for(lambda: fake_engine.starts == 2 and client.get("/health").json()["status"] == "ok")
+    assert fake_engine.live.deaths == 1
+    done = wait_status(
+        client, create_batch(client, upload(client, jsonl([request_line("a")]))["id"])["id"], {"completed"}
+    )
+    assert done["request_counts"]["completed"] == 1

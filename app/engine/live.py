@@ -8,6 +8,7 @@ which starts a new engine once, however many runs saw the death. Requests that m
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -61,6 +62,14 @@ class LiveEngine:
         if failpoints.is_poison(body):
             _kill_engine_core()
         return await self._serving.execute(endpoint, body)
+
+    async def check(self) -> None:
+        """Restart an engine that died with nothing in flight: no request would notice, and /health would say ok."""
+        is_alive = getattr(self._serving, "is_alive", None)
+        if self.state != "ok" or is_alive is None or await is_alive():
+            return
+        with contextlib.suppress(EngineDead):  # down: /health says so, the loop stops
+            await self.recover(self.generation)
 
     @asynccontextmanager
     async def isolated(self) -> AsyncIterator[Executor]:

@@ -76,6 +76,11 @@ class PartFiles:
         add_usage(self.progress, outcome.body)
 
     async def checkpoint(self, db: Engine) -> None:
+        """Shielded: a checkpoint cancelled between taking the buffers and writing them would lose those lines
+        (the ticker that calls it is cancelled whenever the work ends). The next checkpoint or `close` waits for it."""
+        await asyncio.shield(self._checkpoint(db))
+
+    async def _checkpoint(self, db: Engine) -> None:
         async with self._checkpointing:  # two checkpoints must not interleave their writes
             # Taken together, with no await between: the counts describe exactly the bytes about to be written.
             progress = replace(self.progress)
@@ -92,8 +97,9 @@ class PartFiles:
             )
 
     async def close(self) -> None:
-        await self.output.close()
-        await self.errors.close()
+        async with self._checkpointing:
+            await self.output.close()
+            await self.errors.close()
 
 
 def cut_back(path: Path, length: int) -> None:

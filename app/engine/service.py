@@ -1,4 +1,11 @@
-"""The engine service: one live vLLM engine per process, and the loop that feeds it batches in creation order."""
+"""The engine service: one live vLLM engine per process, and the loop that feeds it batches in creation order.
+
+Everything that touches the engine runs on a thread of its own, with its own event loop. Starting a vLLM engine
+blocks its caller for as long as the model takes to load (a minute or more on a GPU), at the first start and at
+every restart after a death; on the API's loop that would leave /health and every route unanswered for that long.
+The API thread only reads plain attributes (`state`, `served_models`) and calls `wake` and `stop`, which are safe
+from any thread.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +13,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import threading
 from contextlib import AsyncExitStack
 from typing import Literal
 
@@ -31,9 +39,12 @@ class EngineService:
         self.live = LiveEngine(self._start_engine, self._stop_engine)
         self.served_models: list[str] = [model_name] if model_name else []
         self.started_at = clock.now()
-        self._wake = asyncio.Event()
         self._stack = AsyncExitStack()
-        self._loop_task: asyncio.Task | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._stopping: asyncio.Event | None = None
+        self._stop_requested = threading.Event()
         self._running: dict[str, asyncio.Task] = {}
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
@@ -43,21 +54,41 @@ class EngineService:
         return self.live.state
 
     def wake(self) -> None:
-        self._wake.set()
+        """Look for work now (a batch was created or cancelled); from any thread."""
+        self._signal(self._wake)
+
+    def _signal(self, event: asyncio.Event | None) -> None:
+        loop = self._loop
+        if loop is not None and event is not None:
+            with contextlib.suppress(RuntimeError):  # the engine loop has already closed
+                loop.call_soon_threadsafe(event.set)
 
     async def start(self, *, db: Engine, storage: Storage, settings: Settings) -> None:
-        self._wake = asyncio.Event()
-        self._loop_task = asyncio.create_task(self._main(db, storage, settings))
+        """Returns at once: the engine starts, and batches run, on the engine thread."""
+        self._stop_requested.clear()
+        self._thread = threading.Thread(
+            target=asyncio.run, args=(self._lifetime(db, storage, settings),), name="vbatch-engine", daemon=True
+        )
+        self._thread.start()
 
     async def stop(self) -> None:
-        for task in [*self._running.values(), self._loop_task]:
-            if task is not None:
-                task.cancel()
-        await asyncio.gather(*self._running.values(), return_exceptions=True)
-        if self._loop_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._loop_task
+        """Abort what runs (finished work is checkpointed), stop the engine, and wait for the engine thread."""
+        self._stop_requested.set()
+        self._signal(self._stopping)
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+
+    async def _lifetime(self, db: Engine, storage: Storage, settings: Settings) -> None:
+        self._wake, self._stopping = asyncio.Event(), asyncio.Event()
+        self._loop = asyncio.get_running_loop()
+        main = asyncio.create_task(self._main(db, storage, settings))
+        if not self._stop_requested.is_set():  # a stop asked before the loop existed is seen here
+            await self._stopping.wait()
+        for task in [*self._running.values(), main]:
+            task.cancel()
+        await asyncio.gather(*self._running.values(), main, return_exceptions=True)
         await self._stop_engine()
+        self._loop = None
 
     async def _main(self, db: Engine, storage: Storage, settings: Settings) -> None:
         try:
@@ -97,8 +128,11 @@ class EngineService:
             await self._stack.aclose()
 
     async def _schedule(self, ctx: Context) -> None:
+        assert self._wake is not None
         while self.state in ("ok", "restarting"):
             self._wake.clear()
+            if not self._running:
+                await self.live.check()
             for row in batches.active(db=ctx.db):
                 if row.id not in self._running and row.id not in self._broken:
                     self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))

@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from bench.common import VbatchServer
 from tests.e2e.conftest import MODEL, engine_flags, free_port
+from tests.helpers import wait_for
 
 STARTUP_SECONDS = 900
 ENV = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2"}
@@ -179,6 +180,8 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
 def test_engine_death_poison_line_and_sigterm(lineage):
     server = lineage.start(failpoint="poison")
     client = lineage.client()
+    # The API answers while the engine loads (it starts on a thread of its own).
+    assert "starting" in server.health_seen
 
     # The engine core alone is killed mid-run: the service restarts it and the batch completes.
     killed = create(client, request_lines(16))
@@ -199,6 +202,21 @@ def test_engine_death_poison_line_and_sigterm(lineage):
     [error] = results(client, batch.error_file_id)
     assert error["custom_id"] == "req-3" and error["error"]["code"] == "engine_crashed"
     assert httpx.get(f"{server.base_url}/health", timeout=10).json()["status"] == "ok"
+
+    # The engine core killed while nothing runs: no request notices, so the loop's own check must restart it.
+    [idle_core] = server.engine_core_pids()
+    os.kill(idle_core, signal.SIGKILL)
+
+    health_seen = set()
+
+    def restarted() -> bool:
+        status = httpx.get(f"{server.base_url}/health", timeout=2).json()["status"]
+        health_seen.add(status)
+        return status == "ok" and server.engine_core_pids() not in ([], [idle_core])
+
+    wait_for(restarted, timeout=300)
+    assert "restarting" in health_seen  # answered within 2 s throughout the restart
+    assert wait_done(client, create(client, request_lines(2))).request_counts.completed == 2
 
     # SIGTERM mid-run: the service checkpoints and exits within seconds; the next start finishes the batch
     # without re-running what had finished.
