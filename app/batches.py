@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Engine
 from sqlmodel import func, select
 
-from app import clock
+from app import clock, files
 from app.auth import visible
 from app.db import session_scope, write_scope
 from app.errors import APIError, bad_request, not_found
@@ -135,9 +135,9 @@ def create(
     _check_request(request, windows)
     with write_scope(db) as session:
         source = session.get(FileRow, request.input_file_id)
-        expired = source is not None and source.expires_at is not None and source.expires_at <= clock.now()
-        if source is None or expired or not visible(source.owner, owner):
+        if not files.usable(source, owner):
             raise not_found("File", request.input_file_id, param="input_file_id")
+        assert source is not None
         _check_active_count(session, owner=owner, max_active=max_active)
         if source.purpose != "batch":
             raise bad_request(

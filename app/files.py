@@ -68,14 +68,18 @@ def insert(*, db: Engine, row: FileRow) -> FileRow:
 def get(*, db: Engine, file_id: str, owner: str | None) -> FileRow:
     with session_scope(db) as session:
         row = session.get(FileRow, file_id)
-    # Someone else's file is "not found", not "forbidden": its existence is not ours to tell.
-    if row is None or _expired(row) or not visible(row.owner, owner):
+    if not usable(row, owner):
         raise not_found("File", file_id)
+    assert row is not None
     return row
 
 
-def _expired(row: FileRow) -> bool:
-    return row.expires_at is not None and row.expires_at <= clock.now()
+def usable(row: FileRow | None, owner: str | None) -> bool:
+    """Whether `owner` may see and use the file: it exists, has not expired, and is theirs. Someone else's file is
+    "not found", not "forbidden": its existence is not ours to tell."""
+    if row is None or not visible(row.owner, owner):
+        return False
+    return row.expires_at is None or row.expires_at > clock.now()
 
 
 def list_files(*, db: Engine, owner: str, purpose: str | None, limit: int, order: str, after: str | None) -> FileList:

@@ -14,7 +14,7 @@ from app.schemas import BatchError
 MAX_REPORTED_ERRORS = 100
 # Deeper JSON than any real request; deeper would only test the recursion limits of the code that reads it.
 MAX_JSON_DEPTH = 64
-REQUEST_FIELDS = frozenset({"custom_id", "method", "url", "body"})
+REQUEST_FIELDS = ("custom_id", "method", "url", "body")
 
 
 @dataclass(frozen=True)
@@ -154,14 +154,14 @@ def _syntax_problem(request: object) -> Problem | None:
         return "invalid_json_line", "Each line must be a JSON object (a request), not another JSON value.", None
     if _depth(request) > MAX_JSON_DEPTH:
         return "nesting_too_deep", f"This line nests JSON deeper than {MAX_JSON_DEPTH} levels.", None
-    unknown = sorted(set(request) - REQUEST_FIELDS)
+    unknown = sorted(set(request) - set(REQUEST_FIELDS))
     if unknown:
         return "unknown_parameter", f"Unknown field '{unknown[0]}': a line has only {_fields()}.", unknown[0]
     return None
 
 
 def _fields() -> str:
-    return ", ".join(f"'{name}'" for name in ("custom_id", "method", "url", "body"))
+    return ", ".join(f"'{name}'" for name in REQUEST_FIELDS)
 
 
 def _shape_problem(request: object, limits: Limits) -> Problem | None:
