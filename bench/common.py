@@ -51,6 +51,7 @@ class VbatchServer:
 
     def __init__(self, data_dir: Path, port: int, engine_args: list[str], log_path: Path, env: dict | None = None):
         self.base_url = f"http://127.0.0.1:{port}"
+        self.data_dir = data_dir
         self.log = log_path.open("wb")
         command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(port)]
         self.started = time.monotonic()
@@ -88,6 +89,18 @@ class VbatchServer:
         self.log.close()
         return code
 
+    def timeline(self, batch_id: str, timeout: float = 10) -> dict[str, float]:
+        """The stages the service logged for a finished batch (seconds from the start of its run); the line comes
+        just after the batch's final commit, so a client that saw `completed` may have to wait a moment for it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in Path(self.log.name).read_text(errors="replace").splitlines():
+                if batch_id in line and "timeline" in line:
+                    stages = line.split(": ", 2)[-1].split(": ", 1)[-1]
+                    return {name: float(s) for name, s in (part.rsplit(" ", 1) for part in stages.split(", "))}
+            time.sleep(0.2)
+        return {}
+
     def engine_core_pids(self) -> list[int]:
         import psutil
 
@@ -109,6 +122,7 @@ class VbatchServer:
 
 @dataclass
 class BatchRun:
+    batch_id: str = ""
     turnaround_s: float = 0.0
     generating_s: float = 0.0
     output_tokens: int = 0
@@ -152,6 +166,7 @@ def run_batch_through_sdk(
     uploaded = client.files.create(file=input_path.open("rb"), purpose="batch")
     created_at = time.monotonic()
     batch = client.batches.create(input_file_id=uploaded.id, endpoint=endpoint, completion_window="24h")
+    result.batch_id = batch.id
     stop = threading.Event()
 
     def poll_latencies() -> None:

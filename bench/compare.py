@@ -53,7 +53,8 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
         start_s = server.wait_ready(timeout=400)
         warm_up(server.base_url, out, SERVED, SAMPLING)
         measured = run_batch_through_sdk(server.base_url, tickets, hammer=args.poll_load)
-        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary()}
+        timeline = server.timeline(measured.batch_id)
+        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary(), "timeline_s": timeline}
     finally:
         server.stop()
 

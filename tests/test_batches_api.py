@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import re
+
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 BATCH_KEYS = {
@@ -46,6 +49,26 @@ def test_batch_completes_with_output_and_error_files(client):
     output_file = client.get(f"/v1/files/{done['output_file_id']}").json()
     assert output_file["purpose"] == "batch_output"
     assert output_file["filename"] == f"{done['id']}_output.jsonl"
+
+
+def test_a_finished_batch_logs_where_its_time_went(client, caplog):
+    runner_log = logging.getLogger("vbatch.runner")  # vbatch's loggers do not propagate to the root
+    runner_log.addHandler(caplog.handler)
+    source = upload(client, jsonl([request_line(f"r{i}") for i in range(4)]))
+    batch_id = wait_status(client, create_batch(client, source["id"])["id"], {"completed"})["id"]
+
+    def timeline() -> str | None:
+        found = [r.getMessage() for r in caplog.records if batch_id in r.getMessage() and "timeline" in r.getMessage()]
+        return found[0] if found else None
+
+    try:
+        logged = wait_for(timeline)  # written just after the batch's final commit
+    finally:
+        runner_log.removeHandler(caplog.handler)
+    stages = {name: float(seconds) for name, seconds in re.findall(r"(\w+) ([\d.]+)", logged)}
+    assert set(stages) == {"planned", "all_sent", "first_result", "last_result", "published"}
+    assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
+    assert stages["all_sent"] <= stages["published"]
 
 
 def test_only_errors_means_no_output_file(client):

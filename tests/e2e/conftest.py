@@ -53,6 +53,8 @@ def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
         "VBATCH_MAX_IN_FLIGHT": "8",
         "VBATCH_PROGRESS_LOG_SECONDS": "2",
         "VBATCH_API_KEYS": ",".join(KEYS),
+        # Inert until a test creates the hold file (tests.e2e.helpers.holding).
+        "VBATCH_FAILPOINT": "hold_after:4",
     }
     running = VbatchServer(base / "data", free_port(), engine_flags(model_path), base / "serve.log", env=env)
     running.log_path = base / "serve.log"

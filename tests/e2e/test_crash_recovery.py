@@ -22,6 +22,7 @@ from openai import OpenAI
 
 from bench.common import VbatchServer
 from tests.e2e.conftest import MODEL, engine_flags, free_port
+from tests.e2e.helpers import holding
 from tests.helpers import wait_for
 
 STARTUP_SECONDS = 900
@@ -37,6 +38,7 @@ class Lineage:
         self.flags = engine_flags(model_path)
         self.starts = 0
         self.server: VbatchServer | None = None
+        self.data_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, failpoint: str | None = None) -> VbatchServer:
         self.starts += 1
@@ -156,12 +158,15 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     lineage.server.kill()
 
     # 3. Killed early in the run, then 4. in the middle; lines seen in partial_output must survive as they are.
-    lineage.start()
-    seen = lineage.wait_partial(batch_id, at_least=2)
-    lineage.server.kill()
-    lineage.start()
-    seen += lineage.wait_partial(batch_id, at_least=len(seen) + 8)
-    lineage.server.kill()
+    # Held, each start sends at most 8 new lines, so neither can reach the end of the 24 however fast it runs.
+    with holding(lineage.data_dir):
+        lineage.start(failpoint="hold_after:8")
+        seen = lineage.wait_partial(batch_id, at_least=2)
+        lineage.server.kill()
+        lineage.start(failpoint="hold_after:8")
+        seen = lineage.wait_partial(batch_id, at_least=len(seen) + 8)
+        assert len(seen) < count
+        lineage.server.kill()
 
     # 5. Killed while finalizing: result files linked, the batch row not yet final.
     server = lineage.start(failpoint="results_linked")
@@ -178,16 +183,17 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
 
 
 def test_engine_death_poison_line_and_sigterm(lineage):
-    server = lineage.start(failpoint="poison")
+    server = lineage.start(failpoint="poison,hold_after:4")
     client = lineage.client()
     # The API answers while the engine loads (it starts on a thread of its own).
     assert "starting" in server.health_seen
 
     # The engine core alone is killed mid-run: the service restarts it and the batch completes.
-    killed = create(client, request_lines(16))
-    seen = lineage.wait_partial(killed, at_least=2)
-    [core] = server.engine_core_pids()
-    os.kill(core, signal.SIGKILL)
+    with holding(lineage.data_dir):  # at most 4 lines sent: the kill is certain to land mid-run
+        killed = create(client, request_lines(16))
+        seen = lineage.wait_partial(killed, at_least=2)
+        [core] = server.engine_core_pids()
+        os.kill(core, signal.SIGKILL)
     batch = wait_done(client, killed)
     assert batch.status == "completed"
     check_exactly_once(client, batch, 16, seen)
@@ -220,17 +226,18 @@ def test_engine_death_poison_line_and_sigterm(lineage):
 
     # SIGTERM mid-run: the service checkpoints and exits within seconds; the next start finishes the batch
     # without re-running what had finished.
-    stopped = create(client, request_lines(16))
-    lineage.wait_partial(stopped, at_least=2)
-    asked = time.monotonic()
-    server.process.send_signal(signal.SIGTERM)
-    # uvicorn re-raises the signal once its shutdown (ours included) is complete.
-    assert server.wait_exit(timeout=30) in (0, -signal.SIGTERM)
-    assert "Application shutdown complete" in (lineage.base / "serve-1.log").read_text(errors="replace")
-    exit_seconds = time.monotonic() - asked
-    part = lineage.data_dir / "files" / f"{stopped}.output.part"
-    finished_at_stop = [json.loads(line) for line in part.read_bytes().splitlines()]
-    assert len(finished_at_stop) >= 2
+    with holding(lineage.data_dir):
+        stopped = create(client, request_lines(16))
+        lineage.wait_partial(stopped, at_least=2)
+        asked = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the signal once its shutdown (ours included) is complete.
+        assert server.wait_exit(timeout=30) in (0, -signal.SIGTERM)
+        assert "Application shutdown complete" in (lineage.base / "serve-1.log").read_text(errors="replace")
+        exit_seconds = time.monotonic() - asked
+        part = lineage.data_dir / "files" / f"{stopped}.output.part"
+        finished_at_stop = [json.loads(line) for line in part.read_bytes().splitlines()]
+        assert 2 <= len(finished_at_stop) < 16
 
     lineage.start()
     client = lineage.client()
