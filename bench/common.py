@@ -204,6 +204,17 @@ def run_batch_through_sdk(
     return result
 
 
+def run_batch_usage(output: Path) -> dict:
+    """Token totals from a `vllm run-batch` output file, summed over its lines' usage."""
+    usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
+             for x in output.read_text().splitlines()]  # fmt: skip
+    return {
+        "output_tokens": sum(u.get("completion_tokens", 0) for u in usage),
+        "input_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
+        "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage),
+    }
+
+
 class SideResults:
     """Each side of a comparison measured in turn; written to `path` after every side, so a run cut short still
     reports what it finished, and one side's failure does not lose the others' numbers."""

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import VbatchServer, run_batch_through_sdk, run_logged, warm_up, write_ticket_batch
+from bench.common import VbatchServer, run_batch_through_sdk, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
@@ -75,12 +75,7 @@ def run_batch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     started = time.monotonic()
     run_logged(command, out / "run-batch.log", timeout=400)
     whole = time.monotonic() - started
-    tokens = cached = 0
-    for line in results.read_text().splitlines():
-        usage = ((json.loads(line).get("response") or {}).get("body") or {}).get("usage") or {}
-        tokens += usage.get("completion_tokens", 0)
-        cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-    return {"side": "vllm_run_batch", "whole_s": round(whole, 2), "output_tokens": tokens, "cached_tokens": cached}
+    return {"side": "vllm_run_batch", "whole_s": round(whole, 2), **run_batch_usage(results)}
 
 
 def _json_tail(stdout: str) -> dict:

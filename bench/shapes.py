@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import run_batch_through_sdk, run_logged
+from bench.common import run_batch_through_sdk, run_batch_usage, run_logged
 
 SERVED = "bench-model"
 TASKS = 8
@@ -88,14 +88,10 @@ def run_batch_prefix_side(prefix_file: Path, flags: list[str], out: Path, timeou
     log = out / f"run-batch-{prefix_file.stem}.log"
     run_logged(command, log, timeout=timeout)
     whole = time.monotonic() - started
-    usage = [((json.loads(x).get("response") or {}).get("body") or {}).get("usage") or {}
-             for x in output.read_text().splitlines()]  # fmt: skip
     return {
         "whole_s": round(whole, 2),
         "progress_bar_s": progress_bar_seconds(log.read_text(errors="replace")),
-        "output_tokens": sum(u.get("completion_tokens", 0) for u in usage),
-        "input_tokens": sum(u.get("prompt_tokens", 0) for u in usage),
-        "cached_tokens": sum((u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0 for u in usage),
+        **run_batch_usage(output),
     }
 
 
