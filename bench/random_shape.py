@@ -4,7 +4,10 @@
 during each side, to show whether the GPU or the host bounds them.
 
   . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.random_shape --model $BENCH_MODEL \\
-      --out /tmp/rs --results $OUT/random-shape.json
+      --out /tmp/rs --results $OUT/random-shape.json [--vbatch-flag=--disable-log-stats]
+
+Each vbatch run also records the service's timeline for its batch (planned, all_sent, first_result, last_result,
+published), which splits vbatch's seconds into its own work and the engine's.
 """
 
 from __future__ import annotations
@@ -50,13 +53,16 @@ def measured_with_timeline(server: VbatchServer, random_file: Path) -> dict:
 
 def main() -> None:
     parser = compare.device_parser()
+    parser.add_argument(
+        "--vbatch-flag", action="append", default=[], help="an extra engine flag for the vbatch side only (repeatable)"
+    )
     args = parser.parse_args()
     flags = compare.device_engine_flags(args)
     random_file = args.out / "random.jsonl"
     shapes.random_token_batch(random_file, 1000, 1024, 256, vocab=150_000)
     side = SideResults(args.results, json.loads(args.meta)).side
 
-    server = VbatchServer(args.out / "vbatch-data", 8129, flags, args.out / "vbatch-serve.log")
+    server = VbatchServer(args.out / "vbatch-data", 8129, flags + args.vbatch_flag, args.out / "vbatch-serve.log")
     try:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
         warm_up(server.base_url, args.out, compare.SERVED, compare.SAMPLING)
