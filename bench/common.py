@@ -101,6 +101,11 @@ class VbatchServer:
             time.sleep(0.2)
         return {}
 
+    def measure(self, input_path: Path, endpoint: str = "/v1/chat/completions", hammer: bool = True) -> dict:
+        """A batch through the SDK (`run_batch_through_sdk`), with the timeline the service logged for it."""
+        measured = run_batch_through_sdk(self.base_url, input_path, endpoint, hammer=hammer)
+        return {**measured.summary(), "timeline_s": self.timeline(measured.batch_id)}
+
     def engine_core_pids(self) -> list[int]:
         import psutil
 

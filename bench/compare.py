@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import VbatchServer, run_batch_through_sdk, run_batch_usage, run_logged, warm_up, write_ticket_batch
+from bench.common import VbatchServer, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
@@ -35,10 +35,14 @@ def device_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def device_engine_flags(args: argparse.Namespace) -> list[str]:
+def device_engine(args: argparse.Namespace) -> argparse.Namespace:
     """Dummy weights, compiled (no --enforce-eager): the engine every GPU side runs."""
     args.out.mkdir(parents=True, exist_ok=True)
-    return engine_flags(argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False))
+    return argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
+
+
+def device_engine_flags(args: argparse.Namespace) -> list[str]:
+    return engine_flags(device_engine(args))
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
@@ -52,9 +56,8 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     try:
         start_s = server.wait_ready(timeout=400)
         warm_up(server.base_url, out, SERVED, SAMPLING)
-        measured = run_batch_through_sdk(server.base_url, tickets, hammer=args.poll_load)
-        timeline = server.timeline(measured.batch_id)
-        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured.summary(), "timeline_s": timeline}
+        measured = server.measure(tickets, hammer=args.poll_load)
+        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured}
     finally:
         server.stop()
 

@@ -9,7 +9,6 @@ every side, so a run cut short still reports what it finished.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from bench import compare, shapes
@@ -19,8 +18,8 @@ from bench.common import SideResults, VbatchServer, run_batch_through_sdk, warm_
 def main() -> None:
     parser = compare.device_parser()
     args = parser.parse_args()
-    flags = compare.device_engine_flags(args)
-    engine = argparse.Namespace(model=args.model, max_model_len=args.max_model_len, dummy=True, eager=False)
+    engine = compare.device_engine(args)
+    flags = compare.engine_flags(engine)
     tickets, random_file, prefix_file = (args.out / n for n in ("tickets.jsonl", "random.jsonl", "prefix.jsonl"))
     write_ticket_batch(tickets, 2000, model=compare.SERVED, sampling=compare.SAMPLING)
     shapes.random_token_batch(random_file, 1000, 1024, 256, vocab=150_000)

@@ -25,16 +25,8 @@ def prefix_lines(tasks: int, rows: int, rules: int, max_tokens: int) -> list[dic
         block = shapes.instructions(task, rules)
         for row in range(rows):
             content = f"{block}\n\nTicket {task}-{row}: customer writes about issue {row * 31 % 1000}. Label:"
-            body = {"model": shapes.SERVED, "messages": [{"role": "user", "content": content}],
-                    "max_tokens": max_tokens, "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
-            lines.append({"custom_id": f"t{task}-r{row}", "method": "POST", "url": "/v1/chat/completions",
-                          "body": body})  # fmt: skip
+            lines.append(shapes.chat_line(f"t{task}-r{row}", content, max_tokens))
     return lines
-
-
-def write(path: Path, lines: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
 
 
 def main() -> None:
@@ -49,8 +41,8 @@ def main() -> None:
     grouped = prefix_lines(args.tasks, args.rows, args.rules, args.max_tokens)
     shuffled = random.Random(1).sample(grouped, len(grouped))
     shuffled_file, grouped_file = (
-        write(args.out / "shuffled.jsonl", shuffled),
-        write(args.out / "grouped.jsonl", grouped),
+        shapes.write_jsonl(args.out / "shuffled.jsonl", shuffled),
+        shapes.write_jsonl(args.out / "grouped.jsonl", grouped),
     )
     meta = {**json.loads(args.meta), **{k: str(v) for k, v in vars(args).items()}, "lines": len(grouped)}
     side = SideResults(args.results, meta).side

@@ -16,10 +16,9 @@ import json
 import statistics
 import subprocess
 from collections.abc import Callable
-from pathlib import Path
 
 from bench import compare, shapes
-from bench.common import SideResults, VbatchServer, run_batch_through_sdk, warm_up
+from bench.common import SideResults, VbatchServer, warm_up
 
 
 def watched(measure: Callable[[], dict]) -> dict:
@@ -46,11 +45,6 @@ def watched(measure: Callable[[], dict]) -> dict:
     }
 
 
-def measured_with_timeline(server: VbatchServer, random_file: Path) -> dict:
-    measured = run_batch_through_sdk(server.base_url, random_file, "/v1/completions", hammer=False)
-    return {**measured.summary(), "timeline_s": server.timeline(measured.batch_id)}
-
-
 def main() -> None:
     parser = compare.device_parser()
     parser.add_argument(
@@ -67,7 +61,10 @@ def main() -> None:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=300), 2)})
         warm_up(server.base_url, args.out, compare.SERVED, compare.SAMPLING)
         for run in (1, 2):
-            side(f"vbatch_random_run{run}", lambda: watched(lambda: measured_with_timeline(server, random_file)))
+            side(
+                f"vbatch_random_run{run}",
+                lambda: watched(lambda: server.measure(random_file, "/v1/completions", hammer=False)),
+            )
     finally:
         server.stop()
     side(

@@ -44,17 +44,27 @@ def instructions(task: int, rules_count: int = 110) -> str:
     return "\n".join(rules)
 
 
+def chat_line(custom_id: str, content: str, max_tokens: int) -> dict:
+    """One user message, thinking off: the line every shared-prefix workload is made of."""
+    body = {"model": SERVED, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
+            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
+
+
+def write_jsonl(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
 def shared_prefix_batch(path: Path, rows: int, max_tokens: int) -> None:
     blocks = [instructions(t) for t in range(TASKS)]
     lines = []
     for i in range(rows):
         task = i % TASKS
         content = f"{blocks[task]}\n\nTicket {i}: customer writes about issue number {i * 31 % 1000}. Label:"
-        body = {"model": SERVED, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-                "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
-        lines.append({"custom_id": f"p{i}", "method": "POST", "url": "/v1/chat/completions", "body": body})
+        lines.append(chat_line(f"p{i}", content, max_tokens))
     random.Random(1).shuffle(lines)
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    write_jsonl(path, lines)
 
 
 def vbatch_sides(base_url: str, random_file: Path, prefix_file: Path) -> dict[str, dict]:
