@@ -7,6 +7,7 @@ from typing import Any, TypeVar
 from sqlalchemy import and_, or_
 from sqlmodel import Session, select
 
+from app.auth import visible
 from app.errors import bad_request
 
 Row = TypeVar("Row", bound=Any)
@@ -26,7 +27,7 @@ def page(
     statement = select(table).where(table.owner == owner, *filters)
     if after is not None:
         anchor = session.get(table, after)
-        if anchor is None or anchor.owner != owner:
+        if anchor is None or not visible(anchor.owner, owner):
             raise bad_request(f"No such object for 'after': {after}", param="after")
         newer = or_(
             table.created_ns > anchor.created_ns,
