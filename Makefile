@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(MODEL_DIR)/config.json: $(VENV)/.installed
-	$(BIN)/python -m app.default_model $(DATA_DIR)/models
+	$(BIN)/python -m app.engine.default_model $(DATA_DIR)/models
 
 demo: setup
 	$(BIN)/python examples/demo.py --data-dir $(DATA_DIR)
@@ -47,7 +47,7 @@ format: $(VENV)/.installed
 	$(BIN)/ruff format app tests examples bench migrations
 
 openapi: $(VENV)/.installed
-	$(BIN)/python -m app.openapi_dump > openapi.yaml
+	$(BIN)/python -m app.api.openapi > openapi.yaml
 
 bench-cpu: setup
 	$(BIN)/python -m bench.compare --model $(MODEL_DIR) --no-dummy --prompts 48 --max-tokens 32 \

@@ -8,8 +8,10 @@ import os
 import sys
 from pathlib import Path
 
-from app import default_model, logs
-from app.config import Settings
+from app.core import failpoints, logs
+from app.core.config import Settings
+from app.engine import default_model
+from app.engine.serving import EngineFactory, poisoned
 
 log = logging.getLogger("vbatch")
 
@@ -74,14 +76,23 @@ def serve(argv: list[str]) -> None:
     settings = Settings(**overrides)
     _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     _prepare_engine_args(argv, args, settings)
-    engine = EngineService(args)
+    engine = EngineService(_engine_factory(args))
     app = create_app(settings, engine)
     log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
 
 
+def _engine_factory(args: argparse.Namespace) -> EngineFactory:
+    from app.engine.vllm_adapter import engine_factory
+
+    factory = engine_factory(args)
+    if failpoints.ARMED.armed(failpoints.POISON):
+        factory = poisoned(factory, failpoints.POISON_USER)
+    return factory
+
+
 def _check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
-    from app.auth import open_binding_refusal
+    from app.core.auth import open_binding_refusal
 
     try:
         keys = len(settings.read_api_keys())
@@ -112,7 +123,7 @@ def run(argv: list[str]) -> None:
     _prepare_engine_args(argv, args, settings)
     output = Path(args.output_file)
     errors = Path(args.error_file) if args.error_file else output.with_name(f"{output.stem}.errors.jsonl")
-    code = asyncio.run(run_file(args, input_path=Path(args.input_file), output=output, errors=errors))
+    code = asyncio.run(run_file(_engine_factory(args), input_path=Path(args.input_file), output=output, errors=errors))
     sys.exit(code)
 
 

@@ -11,15 +11,15 @@ from app import __version__
 from app.api import batches as batch_routes
 from app.api import files as file_routes
 from app.api import system as system_routes
-from app.auth import KeyRing
-from app.config import Settings
-from app.db import make_engine
+from app.api.errors import document_errors, install_error_handlers
+from app.core.auth import KeyRing
+from app.core.config import Settings
+from app.core.db import make_engine
+from app.core.ids import new_id
+from app.core.migrate import upgrade_to_head
+from app.core.storage import Storage
+from app.domain.sweep import sweep_storage
 from app.engine.service import EngineService
-from app.errors import install_error_handlers
-from app.ids import new_id
-from app.migrate import upgrade_to_head
-from app.storage import Storage
-from app.sweep import sweep_storage
 
 
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
@@ -46,6 +46,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     app.state.keys = KeyRing(settings.read_api_keys())
     app.state.engine = engine
     install_error_handlers(app)
+    document_errors(app)
 
     @app.middleware("http")
     async def request_id(request: Request, call_next):

@@ -1,13 +1,11 @@
-"""Pieces shared by the benchmarks: the seed's ticket workload, a vbatch server, and an SDK-driven batch run."""
+"""Pieces shared by the benchmarks: the seed's ticket workload and an SDK-driven batch run (the server itself is
+`app.testing.VbatchServer`, which the tests and the demo use too)."""
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -15,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+
+from app.testing import VbatchServer
 
 SYSTEM = "You are a support analyst for a GPU cloud. Answer in at most three sentences."
 TOPICS = ["billing", "login", "latency", "data export", "permissions"]
@@ -46,83 +46,13 @@ def run_logged(command: list[str], log: Path, timeout: float) -> str:
     return finished.stdout
 
 
-class VbatchServer:
-    """`vbatch serve` in its own process group, so that stopping it stops the engine too."""
-
-    def __init__(self, data_dir: Path, port: int, engine_args: list[str], log_path: Path, env: dict | None = None):
-        self.base_url = f"http://127.0.0.1:{port}"
-        self.data_dir = data_dir
-        self.log = log_path.open("wb")
-        command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(port)]
-        self.started = time.monotonic()
-        self.process = subprocess.Popen(
-            command + engine_args, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )  # fmt: skip
-
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until /health says ok; every status it answered on the way is kept in `health_seen`."""
-        deadline = self.started + timeout
-        self.health_seen: set[str] = set()
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}; see {self.log.name}")
-            try:
-                response = httpx.get(f"{self.base_url}/health", timeout=2)
-                self.health_seen.add(response.json()["status"])
-                if response.status_code == 200:
-                    return time.monotonic() - self.started
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"vbatch serve was not ready in {timeout} s; see {self.log.name}")
-
-    def kill(self) -> None:
-        """`kill -9` of the service and its engine, as an out-of-memory killer or a lost machine would do."""
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
-        self.log.close()
-
-    def wait_exit(self, timeout: float) -> int:
-        code = self.process.wait(timeout=timeout)
-        self.log.close()
-        return code
-
-    def timeline(self, batch_id: str, timeout: float = 10) -> dict[str, float]:
-        """The stages the service logged for a finished batch (seconds from the start of its run); the line comes
-        just after the batch's final commit, so a client that saw `completed` may have to wait a moment for it."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for line in Path(self.log.name).read_text(errors="replace").splitlines():
-                if batch_id in line and "timeline" in line:
-                    stages = line.split(": ", 2)[-1].split(": ", 1)[-1]
-                    return {name: float(s) for name, s in (part.rsplit(" ", 1) for part in stages.split(", "))}
-            time.sleep(0.2)
-        return {}
-
-    def measure(self, input_path: Path, endpoint: str = "/v1/chat/completions", hammer: bool = True) -> dict:
-        """A batch through the SDK (`run_batch_through_sdk`), with the timeline the service logged for it."""
-        measured = run_batch_through_sdk(self.base_url, input_path, endpoint, hammer=hammer)
-        return {**measured.summary(), "timeline_s": self.timeline(measured.batch_id)}
-
-    def engine_core_pids(self) -> list[int]:
-        import psutil
-
-        children = psutil.Process(self.process.pid).children(recursive=True)
-        return [child.pid for child in children if "EngineCore" in child.name()]
-
-    def stop(self) -> None:
-        if self.log.closed:
-            return
-        if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
-        self.log.close()
+def measure(
+    server: VbatchServer, input_path: Path, endpoint: str = "/v1/chat/completions", hammer: bool = True
+) -> dict:
+    """A batch through the SDK (`run_batch_through_sdk`), with the timeline the service kept for its run."""
+    measured = run_batch_through_sdk(server.base_url, input_path, endpoint, hammer=hammer)
+    progress = httpx.get(f"{server.base_url}/v1/batches/{measured.batch_id}/progress", timeout=30).json()
+    return {**measured.summary(), "timeline_s": progress["timeline"]}
 
 
 @dataclass

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.common import VbatchServer, run_batch_usage, run_logged, warm_up, write_ticket_batch
+from bench.common import VbatchServer, measure, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
 SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
@@ -56,7 +56,7 @@ def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     try:
         start_s = server.wait_ready(timeout=400)
         warm_up(server.base_url, out, SERVED, SAMPLING)
-        measured = server.measure(tickets, hammer=args.poll_load)
+        measured = measure(server, tickets, hammer=args.poll_load)
         return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured}
     finally:
         server.stop()

@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Callable
 
 from bench import compare, shapes
-from bench.common import SideResults, VbatchServer, warm_up
+from bench.common import SideResults, VbatchServer, measure, warm_up
 
 
 def watched(measure: Callable[[], dict]) -> dict:
@@ -63,7 +63,7 @@ def main() -> None:
         for run in (1, 2):
             side(
                 f"vbatch_random_run{run}",
-                lambda: watched(lambda: server.measure(random_file, "/v1/completions", hammer=False)),
+                lambda: watched(lambda: measure(server, random_file, "/v1/completions", hammer=False)),
             )
     finally:
         server.stop()

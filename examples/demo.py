@@ -1,5 +1,5 @@
 """`make demo`: start vbatch with the default model, submit support tickets through the openai SDK, poll with
-progress, print answers and throughput, stop the service."""
+progress, print answers and throughput, and say where the results and the service log are."""
 
 from __future__ import annotations
 
@@ -10,11 +10,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tickets import ticket_lines  # beside this script
 
-from bench.common import VbatchServer  # noqa: E402
-from examples.tickets import ticket_lines  # noqa: E402
+from app.testing import VbatchServer
 
 MODEL = "SmolLM2-135M-Instruct"
 
@@ -31,8 +29,9 @@ def main() -> None:
 
     data_dir = Path(args.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    print(f"starting vbatch (log: {data_dir / 'demo-serve.log'}); the engine takes a minute or two to load ...")
-    server = VbatchServer(data_dir, args.port, ["--enforce-eager"], data_dir / "demo-serve.log")
+    log_path = (data_dir / "demo-serve.log").resolve()
+    print(f"starting vbatch (log: {log_path}); the engine takes a minute or two to load ...")
+    server = VbatchServer(data_dir, args.port, ["--enforce-eager"], log_path)
     try:
         print(f"engine ready in {server.wait_ready(timeout=900):.0f} s at {server.base_url}")
         client = OpenAI(base_url=f"{server.base_url}/v1", api_key="demo")
@@ -57,11 +56,15 @@ def main() -> None:
         for result in sorted(results, key=lambda r: int(r["custom_id"].split("-")[1])):
             answer = result["response"]["body"]["choices"][0]["message"]["content"].strip()
             print(f"\n{result['custom_id']}: {questions[result['custom_id']]}\n  -> {answer}")
+        results_path = (data_dir / f"{batch.id}_output.jsonl").resolve()
+        results_path.write_bytes(client.files.content(batch.output_file_id).content)
         usage = batch.usage
         print(
             f"\n{batch.request_counts.completed} answers, {usage.output_tokens} output tokens in {elapsed:.1f} s "
             f"({usage.output_tokens / elapsed:.1f} output tokens/s, created to completed)"
         )
+        print(f"results: {results_path} (output file {batch.output_file_id}, {server.base_url}/v1/files/...)")
+        print(f"service log: {log_path}")
     finally:
         server.stop()
 

@@ -1,4 +1,4 @@
-"""Alembic environment. vbatch runs `upgrade head` itself at start (app.migrate)."""
+"""Alembic environment. vbatch runs `upgrade head` itself at start (app.core.migrate)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from alembic import context
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
-import app.models  # noqa: F401  (registers the tables on SQLModel.metadata)
-from app.config import Settings
+import app.domain.models  # noqa: F401  (registers the tables on SQLModel.metadata)
+from app.core.config import Settings
 
 target_metadata = SQLModel.metadata
 

@@ -9,9 +9,10 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.config import Settings
+from app.core.config import Settings
+from app.engine.service import EngineService
 from app.main import create_app
-from tests.fakes import FakeEngineService
+from app.testing import FakeEngine
 
 
 @pytest.fixture
@@ -20,11 +21,16 @@ def settings(tmp_path: Path) -> Settings:
 
 
 @pytest.fixture
-def fake_engine() -> FakeEngineService:
-    return FakeEngineService()
+def fake_engine() -> FakeEngine:
+    return FakeEngine()
 
 
 @pytest.fixture
-def client(settings: Settings, fake_engine: FakeEngineService) -> Iterator[TestClient]:
-    with TestClient(create_app(settings, fake_engine)) as test_client:
+def engine_service(fake_engine: FakeEngine) -> EngineService:
+    return EngineService(fake_engine)
+
+
+@pytest.fixture
+def client(settings: Settings, engine_service: EngineService) -> Iterator[TestClient]:
+    with TestClient(create_app(settings, engine_service)) as test_client:
         yield test_client

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from fastapi.testclient import TestClient
 
-from tests.fakes import MODEL
+from app.testing import FAKE_MODEL as MODEL
 
 
 def request_line(custom_id: str, *, url: str = "/v1/chat/completions", **body_fields) -> dict:

@@ -9,9 +9,10 @@ from contextlib import contextmanager
 
 import uvicorn
 
-from app.config import Settings
+from app.core.config import Settings
+from app.engine.service import EngineService
 from app.main import create_app
-from tests.fakes import FakeEngineService
+from app.testing import FakeEngine
 from tests.helpers import wait_for
 
 
@@ -19,7 +20,7 @@ from tests.helpers import wait_for
 def live_app(settings: Settings) -> Iterator[tuple[str, int]]:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, FakeEngineService()), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, EngineService(FakeEngine())), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
     thread.start()
     try:

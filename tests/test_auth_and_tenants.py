@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.auth import KeyRing, open_binding_refusal, read_keys
-from app.config import Settings
+from app.core.auth import KeyRing, open_binding_refusal, read_keys
+from app.core.config import Settings
 from tests.helpers import jsonl, request_line, wait_status
 
 KEY_A, KEY_B, KEY_IN_FILE = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210", "sk-from-the-file-42"

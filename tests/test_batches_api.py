@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import re
 
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
@@ -57,15 +56,15 @@ def test_a_finished_batch_logs_where_its_time_went(client, caplog):
     source = upload(client, jsonl([request_line(f"r{i}") for i in range(4)]))
     batch_id = wait_status(client, create_batch(client, source["id"])["id"], {"completed"})["id"]
 
-    def timeline() -> str | None:
-        found = [r.getMessage() for r in caplog.records if batch_id in r.getMessage() and "timeline" in r.getMessage()]
-        return found[0] if found else None
+    def timeline() -> dict | None:
+        found = [r for r in caplog.records if getattr(r, "batch_id", None) == batch_id and hasattr(r, "timeline")]
+        return found[0].timeline if found else None
 
     try:
-        logged = wait_for(timeline)  # written just after the batch's final commit
+        stages = wait_for(timeline)  # a structured record, written just after the batch's final commit
     finally:
         runner_log.removeHandler(caplog.handler)
-    stages = {name: float(seconds) for name, seconds in re.findall(r"(\w+) ([\d.]+)", logged)}
+    assert stages == client.get(f"/v1/batches/{batch_id}/progress").json()["timeline"]
     assert set(stages) == {"planned", "all_sent", "first_result", "last_result", "published"}
     assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
     assert stages["all_sent"] <= stages["published"]
@@ -231,11 +230,11 @@ def test_engine_that_cannot_restart_keeps_results_and_the_api_up(client, fake_en
     assert client.get("/v1/files").status_code == 200
 
 
-def test_an_engine_that_dies_while_idle_is_restarted_and_health_says_so(client, fake_engine):
+def test_an_engine_that_dies_while_idle_is_restarted_and_health_says_so(client, fake_engine, engine_service):
     assert client.get("/health").json()["status"] == "ok" and fake_engine.starts == 1
     fake_engine.serving.alive = False
     wait_for(lambda: fake_engine.starts == 2 and client.get("/health").json()["status"] == "ok")
-    assert fake_engine.live.deaths == 1
+    assert engine_service.live.deaths == 1
     done = wait_status(
         client, create_batch(client, upload(client, jsonl([request_line("a")]))["id"])["id"], {"completed"}
     )

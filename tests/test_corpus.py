@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from app.config import Settings
-from app.validation import Limits, validate_file
-from tests.helpers import create_batch, upload, wait_status
+from app.core.config import Settings
+from app.domain.validation import Limits, validate_file
+from tests.helpers import create_batch, wait_status
 
 CORPUS = Path(__file__).resolve().parent / "data" / "malformed"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text())
@@ -46,16 +46,35 @@ def settings(tmp_path: Path) -> Settings:
     )
 
 
-def test_every_corpus_file_fails_its_batch_with_that_error_through_the_api(client, fake_engine):
-    batch_ids = {}
+# A file that is empty, or whose first line is no JSON object, is refused at upload (OpenAI's "Must be .jsonl");
+# any other problem fails its batch at validation, with the line.
+REFUSED_AT_UPLOAD = {
+    "empty_file": "empty_file",
+    "invalid_json_line": "invalid_file_format",
+    "invalid_utf8": "invalid_file_format",
+}
+
+
+def test_every_corpus_file_fails_at_upload_or_its_batch_with_that_error_through_the_api(client, fake_engine):
+    batch_ids, refused = {}, set()
     for name in sorted(EXPECTED):
-        file_id = upload(client, (CORPUS / name).read_bytes(), filename=name)["id"]
-        batch_ids[name] = create_batch(client, file_id)["id"]
+        content = (CORPUS / name).read_bytes()
+        response = client.post("/v1/files", files={"file": (name, content)}, data={"purpose": "batch"})
+        if response.status_code == 400:
+            first_line = next((n for n, line in enumerate(content.splitlines(), 1) if line.strip()), 1)
+            expected = EXPECTED[name]
+            assert expected["line"] in (None, first_line), name
+            assert response.json()["error"]["code"] == REFUSED_AT_UPLOAD.get(expected["code"]), name
+            refused.add(name)
+            continue
+        assert response.status_code == 200, response.text
+        batch_ids[name] = create_batch(client, response.json()["id"])["id"]
+    assert len(batch_ids) >= 30  # most of the corpus is valid JSONL with a problem inside
     for name, batch_id in batch_ids.items():
         batch = wait_status(client, batch_id, {"failed"})
         first = batch["errors"]["data"][0]
         assert (first["code"], first["line"]) == (EXPECTED[name]["code"], EXPECTED[name]["line"]), name
     assert fake_engine.executor.calls == 0
     listed = client.get("/v1/files", params={"purpose": "batch"}).json()["data"]
-    assert {f["filename"] for f in listed} == set(EXPECTED)
+    assert {f["filename"] for f in listed} == set(EXPECTED) - refused
     assert client.get("/health").status_code == 200

@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from app import failpoints
+from app.core import failpoints
+from app.core.failpoints import Failpoints
 
 
 async def numbers(count: int):
@@ -14,23 +15,19 @@ async def numbers(count: int):
         yield number
 
 
-def test_unarmed_hold_passes_everything_even_with_the_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("VBATCH_FAILPOINT", "poison")
+def test_unarmed_hold_is_not_installed_even_with_the_file(tmp_path):
     (tmp_path / failpoints.HOLD_FILE).touch()
-
-    async def collect():
-        return [n async for n in failpoints.held(numbers(5), tmp_path)]
-
-    assert asyncio.run(collect()) == [0, 1, 2, 3, 4]
+    items = numbers(5)
+    assert Failpoints("poison").held(items, tmp_path) is items
 
 
-def test_armed_hold_stops_after_its_count_until_the_file_goes(tmp_path, monkeypatch):
-    monkeypatch.setenv("VBATCH_FAILPOINT", "poison,hold_after:2")
+def test_armed_hold_stops_after_its_count_until_the_file_goes(tmp_path):
+    points = Failpoints("poison,hold_after:2")
     hold = tmp_path / failpoints.HOLD_FILE
     hold.touch()
 
     async def scenario():
-        items = failpoints.held(numbers(4), tmp_path)
+        items = points.held(numbers(4), tmp_path)
         first = [await anext(items), await anext(items)]
         third = asyncio.ensure_future(anext(items))
         with pytest.raises(TimeoutError):
@@ -39,4 +36,4 @@ def test_armed_hold_stops_after_its_count_until_the_file_goes(tmp_path, monkeypa
         return [*first, await third, await anext(items)]
 
     assert asyncio.run(scenario()) == [0, 1, 2, 3]
-    assert failpoints.armed("poison") and not failpoints.armed("hold")
+    assert points.armed("poison") and not points.armed("hold") and not Failpoints("").points

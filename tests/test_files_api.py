@@ -55,7 +55,7 @@ def test_unknown_purpose_is_400_naming_param(client):
 
 
 def test_missing_file_is_400(client):
-    response = client.post("/v1/files", data={"purpose": "batch"}, files={"other": ("x", b"1")})
+    response = client.post("/v1/files", data={"purpose": "batch"}, files={"purpose": (None, b"batch")})
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "Missing required parameter: 'file'.",
@@ -87,7 +87,7 @@ def test_delete_then_404(client, settings):
 
 
 def test_list_pagination_and_order(client):
-    ids = [upload(client, f"{i}\n".encode())["id"] for i in range(5)]
+    ids = [upload(client, f'{{"n": {i}}}\n'.encode())["id"] for i in range(5)]
     listing = client.get("/v1/files").json()
     assert [f["id"] for f in listing["data"]] == ids[::-1]
     assert listing["first_id"] == ids[-1] and listing["last_id"] == ids[0] and listing["has_more"] is False
@@ -106,7 +106,7 @@ def test_list_pagination_and_order(client):
 
 
 def test_list_filters_by_purpose(client):
-    batch_file = upload(client, b"1\n")
+    batch_file = upload(client, b'{"n": 1}\n')
     upload(client, b"2\n", purpose="user_data")
     listing = client.get("/v1/files", params={"purpose": "batch"}).json()
     assert [f["id"] for f in listing["data"]] == [batch_file["id"]]

@@ -11,7 +11,7 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 
-from app.config import Settings
+from app.core.config import Settings
 from tests.live import live_app
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
-from app.engine.ordering import PREFIX_CHARS, ordered_lines, plan
+from app.domain.input_index import PREFIX_CHARS, InputIndex
+from app.domain.validation import Limits, validate_file
+from app.engine.ordering import ordered_lines, plan
 from tests.helpers import create_batch, jsonl, read_jsonl, upload, wait_status
 
 INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABCD"}
@@ -29,12 +31,24 @@ def interleaved() -> list[dict]:
     return lines
 
 
+def indexed(path) -> InputIndex:
+    limits = Limits(
+        endpoint="/v1/chat/completions",
+        served_models=frozenset({"fake-model"}),
+        max_requests=100,
+        max_line_bytes=1 << 20,
+    )
+    report = validate_file(path, limits)
+    assert report.ok, report.errors
+    return report.index
+
+
 def test_plan_groups_shared_prefixes_in_first_appearance_order(tmp_path):
     path = tmp_path / "in.jsonl"
     lines = interleaved()
     path.write_bytes(jsonl(lines))
-    groups = plan(path)
-    ids = [[lines[n - 1]["custom_id"] for n in g.numbers] for g in groups]
+    groups = plan(indexed(path))
+    ids = [[lines[p]["custom_id"] for p in g.positions] for g in groups]
     assert [g.shared_prefix for g in groups] == [True, True, False, True, False]
     assert ids[0] == [f"A{i}" for i in range(6)] and ids[1] == [f"B{i}" for i in range(6)]
     # Two lines are enough to group; lines whose prefix nobody shares keep their relative order between groups.
@@ -46,12 +60,13 @@ def test_ordered_lines_follow_the_plan_and_skip_done(tmp_path):
     path = tmp_path / "in.jsonl"
     lines = interleaved()
     path.write_bytes(jsonl(lines))
-    groups = plan(path)
+    index = indexed(path)
+    groups = plan(index)
 
     async def collect() -> list[str]:
-        return [r["custom_id"] async for _, r in ordered_lines(path, groups, skip={1})]
+        return [r["custom_id"] async for _, r in ordered_lines(path, index, groups, skip={0})]
 
-    planned = [lines[n - 1]["custom_id"] for g in groups for n in g.numbers if n != 1]
+    planned = [lines[p]["custom_id"] for g in groups for p in g.positions if p != 0]
     assert asyncio.run(collect()) == planned and "A0" not in planned
 
 

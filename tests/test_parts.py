@@ -1,49 +1,63 @@
-"""Result part files: a checkpoint cancelled in the middle of its write (the ticker that calls it is cancelled
-whenever a batch's work ends) must not lose the lines it had taken from the buffers."""
+"""The result sink: a checkpoint cancelled in the middle of its write (the ticker that calls it is cancelled
+whenever a batch's work ends) must not lose the lines it had taken from the buffers; a sink reopened after a
+crash takes what its files hold as done, up to the checkpoint."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 
-from app import batches
-from app.db import make_engine
-from app.engine.parts import PartFiles
-from app.migrate import upgrade_to_head
-from app.models import BatchRow
-from app.results import Outcome
-from app.storage import Storage
+from app.domain.batches import Progress
+from app.domain.results import Outcome
+from app.engine.parts import Checkpoint, ResultSink
 
 
 def test_a_cancelled_checkpoint_still_lands_its_lines(tmp_path):
-    path = tmp_path / "state.db"
-    upgrade_to_head(path)
-    db = make_engine(path)
-    row = BatchRow(
-        id="batch_x", created_ns=1, endpoint="/v1/chat/completions", input_file_id="file-in",
-        completion_window="24h", status="in_progress", created_at=1, total=6,
-    )  # fmt: skip
-    with batches.write_scope(db) as session:
-        session.add(row)
-        session.commit()
-    storage = Storage(tmp_path / "files")
-    (storage.path("file-in")).write_bytes(b"")
+    saved: list[Checkpoint] = []
 
-    async def scenario() -> PartFiles:
-        parts = PartFiles(storage, row)
-        await parts.open()
-        for number in range(1, 7):
-            parts.record(number, Outcome(custom_id=f"c{number}", status_code=200, body={"ok": number}))
-        ticker = asyncio.create_task(parts.checkpoint(db))
+    async def scenario() -> ResultSink:
+        sink = ResultSink(tmp_path / "out.part", tmp_path / "err.part")
+        await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
+        for position in range(6):
+            sink.record(position, Outcome(custom_id=f"c{position}", status_code=200, body={"ok": position}))
+        ticker = asyncio.create_task(sink.checkpoint(saved.append))
         await asyncio.sleep(0)  # the checkpoint has taken the buffers and is writing them
         ticker.cancel()
         await asyncio.gather(ticker, return_exceptions=True)
-        await parts.checkpoint(db)
-        await parts.close()
-        return parts
+        await sink.checkpoint(saved.append)
+        await sink.close()
+        return sink
 
-    parts = asyncio.run(scenario())
-    written = [json.loads(line)["custom_id"] for line in parts.output.path.read_bytes().splitlines()]
-    assert written == [f"c{n}" for n in range(1, 7)]
-    saved = batches.get(db=db, batch_id="batch_x", owner=None)
-    assert saved.completed == 6 and saved.output_bytes_done == parts.output.path.stat().st_size
+    sink = asyncio.run(scenario())
+    written = [json.loads(line)["custom_id"] for line in sink.output.path.read_bytes().splitlines()]
+    assert written == [f"c{n}" for n in range(6)]
+    last = saved[-1]
+    assert last.progress.completed == 6 and last.output_bytes == sink.output.path.stat().st_size
+
+
+def test_a_reopened_sink_keeps_what_was_checkpointed_and_cuts_the_rest(tmp_path):
+    positions = {f"c{n}": n for n in range(5)}
+    saved: list[Checkpoint] = []
+
+    async def first_run() -> None:
+        sink = ResultSink(tmp_path / "out.part", tmp_path / "err.part")
+        await sink.open(output_bytes=0, error_bytes=0, position_of=lambda: positions)
+        sink.record(0, Outcome(custom_id="c0", status_code=200, body={"usage": {"completion_tokens": 3}}))
+        sink.record(1, Outcome(custom_id="c1", status_code=400, body={"error": {}}))
+        await sink.checkpoint(saved.append)
+        sink.record(2, Outcome(custom_id="c2", status_code=200, body={}))
+        await sink.output.flush()  # reached the file, but after the checkpoint: a crash now loses it
+        await sink.close()
+
+    async def second_run() -> ResultSink:
+        sink = ResultSink(tmp_path / "out.part", tmp_path / "err.part")
+        await sink.open(
+            output_bytes=saved[-1].output_bytes, error_bytes=saved[-1].error_bytes, position_of=lambda: positions
+        )
+        await sink.close()
+        return sink
+
+    asyncio.run(first_run())
+    resumed = asyncio.run(second_run())
+    assert resumed.done == {0, 1}
+    assert resumed.progress == Progress(completed=1, failed=1, output_tokens=3)

@@ -8,16 +8,17 @@ from collections import Counter
 
 from fastapi.testclient import TestClient
 
-from app.engine.parts import part_names
+from app.domain.results import part_names
+from app.engine.service import EngineService
 from app.main import create_app
-from tests.fakes import FakeEngineService
+from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 
 def test_restart_resumes_without_rerunning_finished_lines(settings):
-    first_engine = FakeEngineService()
+    first_engine = FakeEngine()
     first_engine.executor.answer_first = 5
-    with TestClient(create_app(settings, first_engine)) as client:
+    with TestClient(create_app(settings, EngineService(first_engine))) as client:
         source = upload(client, jsonl([request_line(f"r{i}") for i in range(20)]))
         batch = create_batch(client, source["id"])
         wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 5)
@@ -30,8 +31,8 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
         torn.write(b'{"id":"batch_req_late","custom_id":"r19","response":null,"error":null}\n')
         torn.write(b'{"id":"batch_req_torn","custom_id":"r1')
 
-    second_engine = FakeEngineService()
-    with TestClient(create_app(settings, second_engine)) as client:
+    second_engine = FakeEngine()
+    with TestClient(create_app(settings, EngineService(second_engine))) as client:
         done = wait_status(client, batch["id"], {"completed"})
         outputs = read_jsonl(client, done["output_file_id"])
     assert second_engine.executor.calls == 15
@@ -68,12 +69,12 @@ def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engi
 
 
 def test_start_sweeps_what_a_crash_left_and_keeps_the_rest(settings):
-    with TestClient(create_app(settings, FakeEngineService())) as client:
+    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         kept = upload(client, jsonl([request_line("a")]))
     files_dir = settings.files_dir
     debris = [".file-torn.upload", "file-neverrecorded", "batch_gone.output.part"]
     for name in debris:
         (files_dir / name).write_bytes(b"{}\n")
-    with TestClient(create_app(settings, FakeEngineService())) as client:
+    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         assert client.get(f"/v1/files/{kept['id']}/content").content == jsonl([request_line("a")])
     assert sorted(p.name for p in files_dir.iterdir()) == [kept["id"]]

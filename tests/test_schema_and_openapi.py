@@ -10,9 +10,9 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine
 from sqlmodel import SQLModel
 
-import app.models  # noqa: F401
-from app.migrate import upgrade_to_head
-from app.openapi_dump import served_openapi
+import app.domain.models  # noqa: F401
+from app.api.openapi import served_openapi
+from app.core.migrate import upgrade_to_head
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,5 +47,6 @@ def test_openapi_lists_every_endpoint():
     assert set(paths) == {
         "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
         "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/batches/{batch_id}/partial_output",
-            "/v1/models", "/health",
+        "/v1/batches/{batch_id}/progress",
+            "/v1/models", "/v1/models/{model}", "/health",
     }  # fmt: skip

@@ -2,13 +2,13 @@ from __future__ import annotations
 
 import pytest
 
-from app import batches
-from app.batches import TERMINAL, TRANSITIONS, InvalidTransition
-from app.db import make_engine
-from app.errors import APIError
-from app.migrate import upgrade_to_head
-from app.models import FileRow
-from app.schemas import CreateBatchRequest
+from app.core.db import make_engine
+from app.core.migrate import upgrade_to_head
+from app.domain import batches
+from app.domain.errors import NotCancellable, NotFound, TooManyActive
+from app.domain.lifecycle import TERMINAL, TRANSITIONS, BatchStatus, InvalidTransition
+from app.domain.models import FileRow
+from app.domain.schemas import CreateBatchRequest
 
 
 @pytest.fixture
@@ -33,7 +33,7 @@ def test_terminal_states_have_no_way_out():
 
 def test_happy_path_stamps_each_time_once(db):
     batch_id = new_batch(db)
-    for status in ("in_progress", "finalizing", "completed"):
+    for status in (BatchStatus.IN_PROGRESS, BatchStatus.FINALIZING, BatchStatus.COMPLETED):
         row = batches.transition(db=db, batch_id=batch_id, to=status)
         assert row.status == status and getattr(row, f"{status}_at") is not None
     assert batches.get(db=db, batch_id=batch_id, owner="").in_progress_at is not None
@@ -41,11 +41,11 @@ def test_happy_path_stamps_each_time_once(db):
 
 def test_no_moving_backwards(db):
     batch_id = new_batch(db)
-    batches.transition(db=db, batch_id=batch_id, to="in_progress")
+    batches.transition(db=db, batch_id=batch_id, to=BatchStatus.IN_PROGRESS)
     with pytest.raises(InvalidTransition):
-        batches.transition(db=db, batch_id=batch_id, to="validating")
-    batches.transition(db=db, batch_id=batch_id, to="finalizing")
-    batches.transition(db=db, batch_id=batch_id, to="completed")
+        batches.transition(db=db, batch_id=batch_id, to=BatchStatus.VALIDATING)
+    batches.transition(db=db, batch_id=batch_id, to=BatchStatus.FINALIZING)
+    batches.transition(db=db, batch_id=batch_id, to=BatchStatus.COMPLETED)
     for status in TRANSITIONS:
         with pytest.raises(InvalidTransition):
             batches.transition(db=db, batch_id=batch_id, to=status)
@@ -56,24 +56,23 @@ def test_cancel_is_idempotent_and_refused_when_finished(db):
     first = batches.request_cancel(db=db, batch_id=batch_id, owner="")
     second = batches.request_cancel(db=db, batch_id=batch_id, owner="")
     assert first.status == second.status == "cancelling" and first.cancelling_at == second.cancelling_at
-    batches.transition(db=db, batch_id=batch_id, to="cancelled")
-    with pytest.raises(APIError) as refused:
+    batches.transition(db=db, batch_id=batch_id, to=BatchStatus.CANCELLED)
+    with pytest.raises(NotCancellable):
         batches.request_cancel(db=db, batch_id=batch_id, owner="")
-    assert refused.value.status_code == 400
 
 
 def test_active_is_in_creation_order(db):
     ids = [new_batch(db) for _ in range(3)]
-    batches.transition(db=db, batch_id=ids[1], to="failed")
+    batches.transition(db=db, batch_id=ids[1], to=BatchStatus.FAILED)
     assert [row.id for row in batches.active(db=db)] == [ids[0], ids[2]]
 
 
 def test_active_batches_per_key_are_capped_until_one_ends(db):
     ids = [new_batch(db, max_active=2) for _ in range(2)]
-    with pytest.raises(APIError) as refused:
+    with pytest.raises(TooManyActive) as refused:
         new_batch(db, max_active=2)
-    assert refused.value.status_code == 429 and refused.value.code == "too_many_active_batches"
-    batches.transition(db=db, batch_id=ids[0], to="failed")
+    assert refused.value.code == "too_many_active_batches"
+    batches.transition(db=db, batch_id=ids[0], to=BatchStatus.FAILED)
     assert new_batch(db, max_active=2) not in ids
 
 
@@ -84,7 +83,6 @@ def test_another_owner_cannot_use_or_see_the_file_or_batch(db):
         lambda: batches.get(db=db, batch_id=batch_id, owner="someone-else"),
         lambda: batches.request_cancel(db=db, batch_id=batch_id, owner="someone-else"),
     ):
-        with pytest.raises(APIError) as hidden:
+        with pytest.raises(NotFound):
             call()
-        assert hidden.value.status_code == 404
     assert batches.get(db=db, batch_id=batch_id, owner="").status == "validating"

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.config import Settings
+from app.core.config import Settings
 from tests.live import live_app
 
 LIMIT = 64 * 1024

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from app.validation import Limits, validate_file
+from app.domain.validation import Limits, validate_file
 
 LIMITS = Limits(endpoint="/v1/chat/completions", served_models=frozenset({"m"}), max_requests=5, max_line_bytes=400)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.validation import Limits, validate_file
+from app.domain.validation import Limits, validate_file
 
 LIMITS = Limits(
     endpoint="/v1/chat/completions",

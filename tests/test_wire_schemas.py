@@ -28,7 +28,7 @@ def test_batch_objects_match_openai_batch(client):
 
 
 def test_failed_batch_errors_match(client):
-    source = upload(client, b"nope\n")
+    source = upload(client, b'{"custom_id": "a"}\n')
     validate(wait_status(client, create_batch(client, source["id"])["id"], {"failed"}), "Batch")
 
 

@@ -5,10 +5,10 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
-from app import batches
 from app.api.deps import DbDep, EngineDep, OwnerDep, SettingsDep, StorageDep
-from app.partial_output import Kind, open_partial
-from app.schemas import Batch, BatchList, CreateBatchRequest, ErrorResponse
+from app.domain import batches
+from app.domain.partial_output import Kind, open_partial
+from app.domain.schemas import Batch, BatchList, BatchProgress, CreateBatchRequest, ErrorResponse
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -52,6 +52,21 @@ def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -
     row = batches.request_cancel(db=db, batch_id=batch_id, owner=owner)
     engine.wake()
     return batches.to_wire(row)
+
+
+@router.get(
+    "/{batch_id}/progress",
+    response_model=BatchProgress,
+    summary="Live progress (vbatch extension)",
+    description=(
+        "The batch's request counts with requests/s, output tokens/s as the engine generates them, an ETA (null "
+        "until one can be estimated) and the timeline of its run. Not part of OpenAI's API."
+    ),
+    responses={404: {"model": ErrorResponse}},
+)
+def batch_progress(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -> BatchProgress:
+    row = batches.get(db=db, batch_id=batch_id, owner=owner)
+    return batches.progress(row, engine.live_stats(row.id))
 
 
 @router.get(

@@ -8,9 +8,9 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Engine
 
-from app.config import Settings
+from app.core.config import Settings
+from app.core.storage import Storage
 from app.engine.service import EngineService
-from app.storage import Storage
 
 
 def _settings(request: Request) -> Settings:

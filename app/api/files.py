@@ -6,11 +6,11 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
-from app import files
 from app.api.deps import DbDep, OwnerDep, SettingsDep, StorageDep
-from app.errors import bad_request
-from app.schemas import DeletedFile, ErrorResponse, FileList, OpenAIFile
-from app.uploads import receive_upload
+from app.api.errors import bad_request
+from app.api.uploads import receive_upload
+from app.domain import files
+from app.domain.schemas import DeletedFile, ErrorResponse, FileList, OpenAIFile
 
 router = APIRouter(
     prefix="/v1/files",

@@ -10,15 +10,11 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from app.results import Outcome, http_outcome
+from app.domain.results import Outcome, http_outcome
 
 
 class Executor(Protocol):
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]: ...
-
-
-class EngineDead(Exception):
-    """The engine process is gone; every request in flight failed with it."""
 
 
 Line = tuple[int, dict]

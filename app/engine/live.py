@@ -12,10 +12,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Literal
 
-from app import failpoints
-from app.engine.execution import EngineDead, Executor
+from app.engine.execution import Executor
+from app.engine.serving import EngineDead, Serving
 
 log = logging.getLogger("vbatch.engine")
 
@@ -23,10 +23,10 @@ State = Literal["starting", "ok", "restarting", "down"]
 
 
 class LiveEngine:
-    def __init__(self, start: Callable[[], Awaitable[Any]], stop: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, start: Callable[[], Awaitable[Serving]], stop: Callable[[], Awaitable[None]]) -> None:
         self._start = start
         self._stop = stop
-        self._serving: Executor | None = None
+        self._serving: Serving | None = None
         self.state: State = "starting"
         self.generation = 0  # how many times the engine has been started
         self.deaths = 0
@@ -39,7 +39,7 @@ class LiveEngine:
         self._drained = asyncio.Event()
         self._drained.set()
 
-    async def start(self) -> Any:
+    async def start(self) -> Serving:
         self._serving = await self._start()
         self.generation += 1
         self.state = "ok"
@@ -59,14 +59,15 @@ class LiveEngine:
     async def _call(self, endpoint: str, body: dict) -> tuple[int, dict]:
         if self._serving is None or self.state != "ok":
             raise EngineDead("the engine is not running")
-        if failpoints.is_poison(body):
-            _kill_engine_core()
         return await self._serving.execute(endpoint, body)
+
+    def generated_tokens(self) -> int | None:
+        serving = self._serving
+        return serving.generated_tokens() if serving is not None and self.state == "ok" else None
 
     async def check(self) -> None:
         """Restart an engine that died with nothing in flight: no request would notice, and /health would say ok."""
-        is_alive = getattr(self._serving, "is_alive", None)
-        if self.state != "ok" or is_alive is None or await is_alive():
+        if self.state != "ok" or self._serving is None or await self._serving.is_alive():
             return
         with contextlib.suppress(EngineDead):  # down: /health says so, the loop stops
             await self.recover(self.generation)
@@ -111,13 +112,3 @@ class _Isolated:
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         return await self._engine._call(endpoint, body)
-
-
-def _kill_engine_core() -> None:
-    """The poison failpoint: a real engine death, as an out-of-memory kill of the engine core would be."""
-    import psutil
-
-    for child in psutil.Process().children(recursive=True):
-        if "EngineCore" in child.name():
-            log.warning("failpoint poison: killing engine core pid %d", child.pid)
-            child.kill()

@@ -1,8 +1,9 @@
-"""A running batch's results: `<batch>.output.part` and `<batch>.error.part`, appended as lines finish.
+"""Where results go as they finish: one sink for the service and for `vbatch run`.
 
-A checkpoint fsyncs both files and commits, in one SQLite transaction, their lengths with the counts and usage
-they hold. After a crash the files are cut back to those lengths and re-read: the lines they hold are done and
-never sent to the engine again; anything after the checkpoint runs again.
+A sink appends output and error lines to two files and counts them. A checkpoint fsyncs both and hands their
+lengths, with the counts and usage they hold, to whoever keeps them (the service commits them to the database in
+one transaction). After a crash the files are cut back to those lengths and re-read: the lines they hold are done
+and never sent to the engine again; anything after the checkpoint runs again.
 """
 
 from __future__ import annotations
@@ -11,62 +12,64 @@ import asyncio
 import json
 import logging
 import os
-from dataclasses import replace
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from sqlalchemy.engine import Engine
-
-from app import batches
-from app.batches import Progress
-from app.models import BatchRow
-from app.results import Outcome, add_usage, line_for
-from app.storage import Storage
-from app.validation import request_lines
+from app.core.storage import ResultAppender
+from app.domain.batches import Progress
+from app.domain.results import Outcome, add_usage, line_for
 
 log = logging.getLogger("vbatch.runner")
 
 
-def part_names(batch_id: str) -> tuple[str, str]:
-    return f"{batch_id}.output.part", f"{batch_id}.error.part"
+@dataclass(frozen=True)
+class Checkpoint:
+    progress: Progress
+    output_bytes: int
+    error_bytes: int
 
 
-class PartFiles:
-    def __init__(self, storage: Storage, row: BatchRow) -> None:
-        output_name, error_name = part_names(row.id)
-        self.output = storage.open_appender(output_name)
-        self.errors = storage.open_appender(error_name)
-        self.input_path = storage.path(row.input_file_id)
-        self.row = row
+# Makes a checkpoint durable beyond the files (a database commit); runs on a worker thread.
+SaveCheckpoint = Callable[[Checkpoint], None]
+
+
+class ResultSink:
+    def __init__(self, output: Path, errors: Path) -> None:
+        self.output = ResultAppender(output)
+        self.errors = ResultAppender(errors)
         self.progress = Progress()
-        self.done: set[int] = set()
+        self.done: set[int] = set()  # positions in the input index
         self._checkpointing = asyncio.Lock()
 
-    async def open(self) -> None:
-        """Cut back to the last checkpoint, take what is there as done, and open for appending."""
-        await asyncio.to_thread(self._restore)
+    async def open(
+        self, *, output_bytes: int | None, error_bytes: int | None, position_of: Callable[[], dict[str, int]]
+    ) -> None:
+        """Cut each file back to its checkpointed length (None: to its last whole line), take the lines there as
+        done, and open for appending. `position_of` maps custom_ids to positions; it is called only if there are
+        lines to take."""
+        await asyncio.to_thread(self._restore, output_bytes, error_bytes, position_of)
         await self.output.open()
         await self.errors.open()
 
-    def _restore(self) -> None:
-        cut_back(self.output.path, self.row.output_bytes_done)
-        cut_back(self.errors.path, self.row.error_bytes_done)
-        if not self.output.path.exists() and not self.errors.path.exists():
-            return
-        number_of = {request["custom_id"]: number for number, request in request_lines(self.input_path)}
-        for appender, succeeded in ((self.output, True), (self.errors, False)):
+    def _restore(
+        self, output_bytes: int | None, error_bytes: int | None, position_of: Callable[[], dict[str, int]]
+    ) -> None:
+        positions: dict[str, int] | None = None
+        for appender, length, succeeded in ((self.output, output_bytes, True), (self.errors, error_bytes, False)):
+            cut_back(appender.path, length)
             for record in _records(appender.path):
-                self.done.add(number_of[record["custom_id"]])
+                positions = positions if positions is not None else position_of()
+                self.done.add(positions[record["custom_id"]])
                 appender.lines += 1
                 if succeeded:
                     self.progress.completed += 1
                 else:
                     self.progress.failed += 1
                 add_usage(self.progress, (record.get("response") or {}).get("body"))
-        if self.done:
-            log.info("batch %s: resuming, %d of %d lines already done", self.row.id, len(self.done), self.row.total)
 
-    def record(self, number: int, outcome: Outcome) -> None:
-        self.done.add(number)
+    def record(self, position: int, outcome: Outcome) -> None:
+        self.done.add(position)
         if outcome.succeeded:
             self.output.add(line_for(outcome))
             self.progress.completed += 1
@@ -75,26 +78,20 @@ class PartFiles:
             self.progress.failed += 1
         add_usage(self.progress, outcome.body)
 
-    async def checkpoint(self, db: Engine) -> None:
+    async def checkpoint(self, save: SaveCheckpoint | None = None) -> None:
         """Shielded: a checkpoint cancelled between taking the buffers and writing them would lose those lines
         (the ticker that calls it is cancelled whenever the work ends). The next checkpoint or `close` waits for it."""
-        await asyncio.shield(self._checkpoint(db))
+        await asyncio.shield(self._checkpoint(save))
 
-    async def _checkpoint(self, db: Engine) -> None:
+    async def _checkpoint(self, save: SaveCheckpoint | None) -> None:
         async with self._checkpointing:  # two checkpoints must not interleave their writes
             # Taken together, with no await between: the counts describe exactly the bytes about to be written.
             progress = replace(self.progress)
             output, errors = self.output.take(), self.errors.take()
             await self.output.write(output, durable=True)
             await self.errors.write(errors, durable=True)
-            await asyncio.to_thread(
-                batches.save_checkpoint,
-                db=db,
-                batch_id=self.row.id,
-                progress=progress,
-                output_bytes=self.output.bytes,
-                error_bytes=self.errors.bytes,
-            )
+            if save is not None:
+                await asyncio.to_thread(save, Checkpoint(progress, self.output.bytes, self.errors.bytes))
 
     async def close(self) -> None:
         async with self._checkpointing:
@@ -102,16 +99,19 @@ class PartFiles:
             await self.errors.close()
 
 
-def cut_back(path: Path, length: int) -> None:
-    """Cut a part file back to its checkpointed length; if it is somehow shorter, to its last whole line."""
+def cut_back(path: Path, length: int | None) -> None:
+    """Cut a result file back to its checkpointed length; with none, or if it is somehow shorter than its
+    checkpoint, to its last whole line."""
     if not path.exists():
         return
     size = path.stat().st_size
-    if size > length:
-        os.truncate(path, length)
-    elif size < length:
+    if length is not None and size >= length:
+        if size > length:
+            os.truncate(path, length)
+        return
+    if length is not None:
         log.error("%s is shorter (%d bytes) than its checkpoint (%d); keeping its whole lines", path.name, size, length)
-        cut_torn_tail(path)
+    cut_torn_tail(path)
 
 
 def cut_torn_tail(path: Path) -> None:
@@ -132,7 +132,7 @@ def cut_torn_tail(path: Path) -> None:
             os.fsync(part.fileno())
 
 
-def _records(path: Path):
+def _records(path: Path) -> Iterator[dict]:
     if not path.exists():
         return
     with path.open("rb") as part:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections import deque
@@ -18,22 +19,29 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
-from app import batches, clock, failpoints, files
-from app.config import Settings
-from app.engine.execution import EngineDead, run_lines
+from app.core import clock, failpoints
+from app.core.config import Settings
+from app.core.ids import new_id
+from app.core.storage import ResultAppender, Storage
+from app.domain import batches, files
+from app.domain.input_index import InputIndex
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import BatchRow, FileRow
+from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, Outcome, error_outcome, index_name, part_names
+from app.domain.schemas import BatchError, RunStats
+from app.domain.validation import Limits, validate_file
+from app.engine.execution import run_lines
 from app.engine.live import LiveEngine
+from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, plan
-from app.engine.parts import PartFiles
-from app.ids import new_id
-from app.models import BatchRow, FileRow
-from app.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, Outcome, error_outcome
-from app.schemas import BatchError
-from app.storage import ResultAppender, Storage
-from app.validation import Limits, request_lines, validate_file
+from app.engine.parts import Checkpoint, ResultSink
+from app.engine.serving import EngineDead
 
 log = logging.getLogger("vbatch.runner")
 
 ENGINE_CRASH_CODE = "engine_crashed"
+# A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
+RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
 # Lines in flight at an engine death are re-run in this many groups, one group at a time.
 SUSPECT_FANOUT = 8
 
@@ -49,86 +57,131 @@ class Context:
     slots: asyncio.Semaphore
     # Held while a batch submits its lines: batches start in creation order and overlap only at the tail.
     feed_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The batches running now, by id; the API reads their live numbers.
+    runs: dict[str, BatchRun] = field(default_factory=dict)
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
     row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
-    if row.status == "validating":
-        row = await _validate(ctx, row)
-    if row.status in ("in_progress", "cancelling", "finalizing") and row.in_progress_at is not None:
-        await BatchRun(ctx, row).run()
-    elif row.status == "cancelling":
-        batches.transition(db=ctx.db, batch_id=row.id, to="cancelled")
+    index: InputIndex | None = None
+    if row.status == BatchStatus.VALIDATING:
+        row, index = await _validate(ctx, row)
+    if row.status in RUNNING and row.in_progress_at is not None:
+        index = index or await _load_index(ctx, row)
+        await BatchRun(ctx, row, index).run()
+    elif row.status == BatchStatus.CANCELLING:
+        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
 
 
-async def _validate(ctx: Context, row: BatchRow) -> BatchRow:
-    limits = Limits(
+def _limits(ctx: Context, row: BatchRow) -> Limits:
+    return Limits(
         endpoint=row.endpoint,
         served_models=frozenset(ctx.served_models),
         max_requests=ctx.settings.max_requests_per_batch,
         max_line_bytes=ctx.settings.max_line_bytes,
         max_choices=ctx.settings.max_choices_per_request,
     )
+
+
+async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | None]:
+    """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
+    batch's results before the batch starts, so a restart never reads the input whole again."""
     try:
         source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
-        report = await asyncio.to_thread(validate_file, ctx.storage.path(source.id), limits)
+        report = await asyncio.to_thread(validate_file, ctx.storage.path(source.id), _limits(ctx, row))
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        return _fail(ctx, row, [("file_not_found", f"The input file {row.input_file_id} cannot be read.")])
+        message = f"The input file {row.input_file_id} cannot be read."
+        return batches.fail(
+            db=ctx.db, batch_id=row.id, errors=[BatchError(code="file_not_found", message=message)]
+        ), None
     current = batches.get(db=ctx.db, batch_id=row.id, owner=None)
-    if current.status != "validating":  # cancelled while we read
-        return current
+    if current.status != BatchStatus.VALIDATING:  # cancelled while we read
+        return current, None
     if not report.ok:
         log.info("batch %s: failed validation with %d errors", row.id, report.error_count)
-        return batches.transition(
-            db=ctx.db, batch_id=row.id, to="failed", errors_json=batches.errors_json(report.errors)
-        )
+        return batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors), None
+    await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     log.info("batch %s: %d requests validated", row.id, report.total)
-    return batches.transition(db=ctx.db, batch_id=row.id, to="in_progress", total=report.total, model=model)
+    return batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model), report.index
 
 
-def _fail(ctx: Context, row: BatchRow, problems: list[tuple[str, str]]) -> BatchRow:
-    errors = [BatchError(code=code, message=message) for code, message in problems]
-    return batches.transition(db=ctx.db, batch_id=row.id, to="failed", errors_json=batches.errors_json(errors))
+async def _load_index(ctx: Context, row: BatchRow) -> InputIndex:
+    """The index validation kept; a batch that began before vbatch kept one is indexed again, once."""
+    try:
+        return InputIndex.from_bytes(await ctx.storage.read_bytes(index_name(row.id)))
+    except FileNotFoundError:
+        report = await asyncio.to_thread(validate_file, ctx.storage.path(row.input_file_id), _limits(ctx, row))
+        await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
+        return report.index
 
 
 class BatchRun:
-    def __init__(self, ctx: Context, row: BatchRow) -> None:
+    def __init__(self, ctx: Context, row: BatchRow, index: InputIndex) -> None:
         self.ctx = ctx
         self.row = row
-        self.parts = PartFiles(ctx.storage, row)
+        self.index = index
+        output_part, error_part = part_names(row.id)
+        self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part))
         self.input_path = ctx.storage.path(row.input_file_id)
         self.deaths_alone: dict[int, int] = {}
-        self.started = time.monotonic()
-        self.last_log = self.started
-        # Seconds from the start of this run to each stage; logged at the end, so an operator (or a benchmark)
-        # can see where a batch's time went: planning, sending, the engine, publishing.
-        self.timeline: dict[str, float] = {}
+        self.meter = RunMeter(total=row.total, wave=ctx.max_in_flight, generated_tokens=ctx.engine.generated_tokens)
+        self.last_log = time.monotonic()
+
+    def stats(self) -> RunStats | None:
+        """From any thread: the API reads it while the batch runs (None until the run has begun)."""
+        return self.meter.stats(self.sink.progress)
 
     async def run(self) -> None:
-        await self.parts.open()
-        if self.row.status == "finalizing":  # stopped while publishing: every line already has its result
-            await self._finish("completed")
+        self.ctx.runs[self.row.id] = self
+        try:
+            await self._run()
+        finally:
+            self.ctx.runs.pop(self.row.id, None)
+
+    async def _run(self) -> None:
+        await self.sink.open(
+            output_bytes=self.row.output_bytes_done,
+            error_bytes=self.row.error_bytes_done,
+            position_of=self.index.position_of,
+        )
+        self.meter.begin(done_before=len(self.sink.done))
+        if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
+            await self._finish(BatchStatus.COMPLETED)
             return
         stop_status = None
         try:
-            if self.row.status == "in_progress" and not self._expired():
+            if self.row.status == BatchStatus.IN_PROGRESS and not self._expired():
                 stop_status = await self._execute()
             else:
-                stop_status = "cancelled" if self.row.status == "cancelling" else "expired"
+                stop_status = (
+                    BatchStatus.CANCELLED if self.row.status == BatchStatus.CANCELLING else BatchStatus.EXPIRED
+                )
         finally:
-            await self.parts.checkpoint(self.ctx.db)
+            await self._checkpoint()
         if stop_status is None:
-            await self._finish("completed")
+            await self._finish(BatchStatus.COMPLETED)
         else:
             await self._fill_unfinished(stop_status)
             await self._finish(stop_status)
 
+    async def _checkpoint(self) -> None:
+        await self.sink.checkpoint(self._save)
+
+    def _save(self, checkpoint: Checkpoint) -> None:
+        batches.save_checkpoint(
+            db=self.ctx.db,
+            batch_id=self.row.id,
+            progress=checkpoint.progress,
+            output_bytes=checkpoint.output_bytes,
+            error_bytes=checkpoint.error_bytes,
+        )
+
     def _expired(self) -> bool:
         return self.row.expires_at is not None and clock.now() >= self.row.expires_at
 
-    async def _execute(self) -> str | None:
+    async def _execute(self) -> BatchStatus | None:
         """None when every line finished; else the terminal status that stopped it."""
         stop = asyncio.get_running_loop().create_future()
         ticker = asyncio.create_task(self._tick(stop))
@@ -149,8 +202,8 @@ class BatchRun:
 
     async def _work(self) -> None:
         """Every pending line to the engine; after an engine death, the lines it took with it first."""
-        groups = await asyncio.to_thread(plan, self.input_path)
-        self._mark("planned")
+        groups = await asyncio.to_thread(plan, self.index)
+        self.meter.mark("planned")
         suspects: list[int] = []
         while True:
             if suspects:
@@ -161,7 +214,7 @@ class BatchRun:
                 await self._feed(groups, in_flight)
                 return
             except EngineDead:
-                suspects = sorted(in_flight - self.parts.done)
+                suspects = sorted(in_flight - self.sink.done)
                 log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
                 await self.ctx.engine.recover(generation)
 
@@ -174,12 +227,13 @@ class BatchRun:
             nonlocal released
             if not released:
                 released = True
-                self._mark("all_sent")
+                self.meter.mark("all_sent")
                 ctx.feed_lock.release()
 
         try:
+            lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
-                failpoints.held(ordered_lines(self.input_path, groups, skip=self.parts.done), ctx.settings.data_dir),
+                failpoints.ARMED.held(lines, ctx.settings.data_dir),
                 executor=ctx.engine,
                 endpoint=self.row.endpoint,
                 slots=ctx.slots,
@@ -197,7 +251,7 @@ class BatchRun:
         goes to the error file."""
         queue = deque(_split(suspects))
         while queue:
-            group = [n for n in queue.popleft() if n not in self.parts.done]
+            group = [n for n in queue.popleft() if n not in self.sink.done]
             if not group:
                 continue
             generation = self.ctx.engine.generation
@@ -213,53 +267,45 @@ class BatchRun:
                     )
             except EngineDead:
                 await self.ctx.engine.recover(generation)
-                unfinished = [n for n in group if n not in self.parts.done]
+                unfinished = [n for n in group if n not in self.sink.done]
                 if len(unfinished) == 1:
                     await self._blame(unfinished[0], queue)
                 else:
                     queue.extendleft(reversed(_split(unfinished)))
 
-    async def _blame(self, number: int, queue: deque[list[int]]) -> None:
-        deaths = self.deaths_alone.get(number, 0) + 1
-        self.deaths_alone[number] = deaths
+    async def _blame(self, position: int, queue: deque[list[int]]) -> None:
+        deaths = self.deaths_alone.get(position, 0) + 1
+        self.deaths_alone[position] = deaths
         if deaths < self.ctx.settings.engine_deaths_per_line:
-            queue.appendleft([number])
+            queue.appendleft([position])
             return
         log.error(
             "batch %s: line %d killed the engine %d times on its own; it goes to the error file",
             self.row.id,
-            number,
+            self.index.numbers[position],
             deaths,
         )
-        async for _, request in self._lines([number]):
-            message = f"The engine died {deaths} times while running this request alone; it was not retried."
-            self.parts.record(number, error_outcome(request["custom_id"], ENGINE_CRASH_CODE, message))
+        message = f"The engine died {deaths} times while running this request alone; it was not retried."
+        self.sink.record(position, error_outcome(self.index.custom_ids[position], ENGINE_CRASH_CODE, message))
 
-    async def _lines(self, numbers: list[int]) -> AsyncIterator[tuple[int, dict]]:
-        wanted = set(numbers)
-        for number, request in request_lines(self.input_path):
-            if number in wanted:
-                yield number, request
+    async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict]]:
+        for position, request in self.index.requests(self.input_path, positions):
+            yield position, request
 
-    def _record(self, number: int, outcome: Outcome) -> None:
-        self.parts.record(number, outcome)
-        now = time.monotonic() - self.started
-        self.timeline.setdefault("first_result", now)
-        self.timeline["last_result"] = now
-
-    def _mark(self, stage: str) -> None:
-        self.timeline.setdefault(stage, time.monotonic() - self.started)
+    def _record(self, position: int, outcome: Outcome) -> None:
+        self.sink.record(position, outcome)
+        self.meter.result()
 
     async def _tick(self, stop: asyncio.Future) -> None:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
-            await self.parts.checkpoint(self.ctx.db)
+            await self._checkpoint()
             status = batches.get(db=self.ctx.db, batch_id=self.row.id, owner=None).status
-            if status == "cancelling":
-                stop.set_result("cancelled")
+            if status == BatchStatus.CANCELLING:
+                stop.set_result(BatchStatus.CANCELLED)
                 return
             if self._expired():
-                stop.set_result("expired")
+                stop.set_result(BatchStatus.EXPIRED)
                 return
             self._log_progress()
 
@@ -268,55 +314,60 @@ class BatchRun:
         if now - self.last_log < self.ctx.settings.progress_log_seconds:
             return
         self.last_log = now
-        elapsed = max(now - self.started, 1e-6)
-        progress = self.parts.progress
-        finished = progress.completed + progress.failed
-        rate = finished / elapsed
-        eta = (self.row.total - finished) / rate if rate > 0 else float("inf")
+        stats = self.stats()
+        if stats is None:
+            return
+        progress = self.sink.progress
         log.info(
             "batch %s: %d/%d done, %.1f req/s, %.0f output tok/s, ETA %s",
             self.row.id,
-            finished,
+            progress.completed + progress.failed,
             self.row.total,
-            rate,
-            progress.output_tokens / elapsed,
-            f"{eta:.0f}s" if eta != float("inf") else "?",
+            stats.requests_per_second,
+            stats.output_tokens_per_second,
+            "unknown yet" if stats.eta_seconds is None else f"{stats.eta_seconds:.0f}s",
         )
 
-    async def _fill_unfinished(self, status: str) -> None:
-        code, message = (
-            ("batch_cancelled", CANCELLED_MESSAGE) if status == "cancelled" else ("batch_expired", EXPIRED_MESSAGE)
-        )
-        for number, request in request_lines(self.input_path):
-            if number not in self.parts.done:
-                self.parts.record(number, error_outcome(request["custom_id"], code, message))
-        await self.parts.checkpoint(self.ctx.db)
+    async def _fill_unfinished(self, status: BatchStatus) -> None:
+        """The lines that never ran get their error line, by custom_id from the index: the input is not read."""
+        if status == BatchStatus.CANCELLED:
+            code, message = "batch_cancelled", CANCELLED_MESSAGE
+        else:
+            code, message = "batch_expired", EXPIRED_MESSAGE
+        for position, custom_id in enumerate(self.index.custom_ids):
+            if position not in self.sink.done:
+                self.sink.record(position, error_outcome(custom_id, code, message))
+        await self._checkpoint()
 
-    async def _finish(self, status: str) -> None:
+    async def _finish(self, status: BatchStatus) -> None:
         """Result files get their rows in the transaction that ends the batch; the part files go only after it."""
         ctx = self.ctx
-        if status == "completed" and self.row.status != "finalizing":
-            batches.transition(db=ctx.db, batch_id=self.row.id, to="finalizing")
-        await self.parts.close()
-        output = await self._link(self.parts.output, "output")
-        error = await self._link(self.parts.errors, "error")
-        failpoints.crash_here(failpoints.RESULTS_LINKED)
-        batches.transition(
+        if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
+            batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING)
+        await self.sink.close()
+        output = await self._link(self.sink.output, "output")
+        error = await self._link(self.sink.errors, "error")
+        failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
+        self.meter.mark("published")
+        batches.publish(
             db=ctx.db,
             batch_id=self.row.id,
             to=status,
-            new_files=[row for row in (output, error) if row is not None],
-            output_file_id=output.id if output else None,
-            error_file_id=error.id if error else None,
-            **vars(self.parts.progress),
+            output=output,
+            error=error,
+            progress=self.sink.progress,
+            timeline=self.meter.timeline,
         )
-        for appender in (self.parts.output, self.parts.errors):
-            await ctx.storage.delete(appender.path.name)
-        progress = self.parts.progress
+        for name in (*part_names(self.row.id), index_name(self.row.id)):
+            await ctx.storage.delete(name)
+        progress = self.sink.progress
         log.info("batch %s: %s, %d completed, %d failed", self.row.id, status, progress.completed, progress.failed)
-        self._mark("published")
-        stages = ", ".join(f"{stage} {seconds:.2f}" for stage, seconds in self.timeline.items())
-        log.info("batch %s: timeline in seconds from the start of this run: %s", self.row.id, stages)
+        log.info(
+            "batch %s: timeline %s",
+            self.row.id,
+            json.dumps(self.meter.timeline),
+            extra={"batch_id": self.row.id, "timeline": self.meter.timeline},
+        )
 
     async def _link(self, appender: ResultAppender, kind: str) -> FileRow | None:
         if appender.lines == 0:

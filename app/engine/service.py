@@ -9,7 +9,6 @@ from any thread.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import logging
@@ -19,12 +18,14 @@ from typing import Literal
 
 from sqlalchemy.engine import Engine
 
-from app import batches, clock, logs
-from app.config import Settings
-from app.engine.execution import EngineDead
+from app.core import clock, logs
+from app.core.config import Settings
+from app.core.storage import Storage
+from app.domain import batches
+from app.domain.schemas import RunStats
 from app.engine.live import LiveEngine
 from app.engine.runner import Context, run_batch
-from app.storage import Storage
+from app.engine.serving import EngineDead, EngineFactory, Serving
 
 log = logging.getLogger("vbatch.engine")
 
@@ -33,11 +34,13 @@ POLL_SECONDS = 1.0
 
 
 class EngineService:
-    def __init__(self, engine_args: argparse.Namespace | None, model_name: str | None = None) -> None:
-        self.engine_args = engine_args
-        self.model_name = model_name
+    """`factory` starts an engine (None: an API that never runs one, as for printing the OpenAPI document)."""
+
+    def __init__(self, factory: EngineFactory | None) -> None:
+        self.factory = factory
+        self.model_name: str | None = None
         self.live = LiveEngine(self._start_engine, self._stop_engine)
-        self.served_models: list[str] = [model_name] if model_name else []
+        self.served_models: list[str] = []
         self.started_at = clock.now()
         self._stack = AsyncExitStack()
         self._thread: threading.Thread | None = None
@@ -46,12 +49,19 @@ class EngineService:
         self._stopping: asyncio.Event | None = None
         self._stop_requested = threading.Event()
         self._running: dict[str, asyncio.Task] = {}
+        self._ctx: Context | None = None
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
 
     @property
     def state(self) -> Literal["starting", "ok", "restarting", "down"]:
         return self.live.state
+
+    def live_stats(self, batch_id: str) -> RunStats | None:
+        """A running batch's live numbers, from any thread; None when it is not running here."""
+        ctx = self._ctx
+        run = ctx.runs.get(batch_id) if ctx is not None else None
+        return run.stats() if run is not None else None
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
@@ -108,17 +118,15 @@ class EngineService:
             max_in_flight=max_in_flight,
             slots=asyncio.Semaphore(max_in_flight),
         )
+        self._ctx = ctx
         logs.ensure_enabled()
         log.info("engine ready: serving %s, up to %d requests in flight", self.served_models, max_in_flight)
         await self._schedule(ctx)
 
-    async def _start_engine(self):
-        from app.engine.vllm_adapter import live_engine
-
-        assert self.engine_args is not None, "an engine service needs engine args to start an engine"
-
+    async def _start_engine(self) -> Serving:
+        assert self.factory is not None, "an engine service needs an engine factory to start an engine"
         self._stack = AsyncExitStack()
-        serving = await self._stack.enter_async_context(live_engine(self.engine_args))
+        serving = await self._stack.enter_async_context(self.factory())
         self.served_models = serving.served_models
         self.model_name = self.served_models[0]
         return serving

@@ -7,6 +7,7 @@ Requests run through vLLM's own OpenAI serving layer (the handlers `vllm serve` 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import json
@@ -20,7 +21,7 @@ from typing import Any
 import vllm
 from starlette.datastructures import State
 
-from app.engine.execution import EngineDead
+from app.engine.serving import EngineDead, EngineFactory
 
 VLLM_VERSION: str = vllm.__version__
 
@@ -125,10 +126,6 @@ class ServingLayer:
         return handlers
 
     @property
-    def endpoints(self) -> list[str]:
-        return sorted(self._handlers)
-
-    @property
     def max_num_seqs(self) -> int:
         return int(self.engine_client.vllm_config.scheduler_config.max_num_seqs)
 
@@ -167,6 +164,18 @@ class ServingLayer:
             return 200, result.model_dump(mode="json", by_alias=True)
         return self._error(ValueError("Streaming is not supported in a batch: remove 'stream'."))
 
+    def generated_tokens(self) -> int | None:
+        """vLLM's own counter (`vllm:generation_tokens`, the one `vllm serve` exports), summed over engines."""
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        total, seen = 0.0, False
+        for metric in get_prometheus_registry().collect():
+            if metric.name == "vllm:generation_tokens":
+                for sample in metric.samples:
+                    if sample.name.endswith("_total"):
+                        total, seen = total + sample.value, True
+        return int(total) if seen else None
+
     async def is_alive(self) -> bool:
         try:
             await self.engine_client.check_health()
@@ -189,6 +198,11 @@ def _embedding_request_type(serving: Any) -> type:
             return adapter.validate_python(body)
 
     return _Adapter  # type: ignore[return-value]
+
+
+def engine_factory(args: argparse.Namespace) -> EngineFactory:
+    """Starts engines with `vllm serve`'s arguments (`app.engine.serving.EngineFactory`)."""
+    return functools.partial(live_engine, args)
 
 
 @asynccontextmanager

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from app import default_model
-from bench.common import VbatchServer
+from app.engine import default_model
+from app.testing import VbatchServer
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model.NAME

@@ -10,7 +10,7 @@ from pathlib import Path
 from openai import OpenAI
 from openai.types import Batch
 
-from app import failpoints
+from app.core import failpoints
 from tests.e2e.conftest import MODEL
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}

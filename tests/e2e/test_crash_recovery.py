@@ -20,7 +20,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from bench.common import VbatchServer
+from app.testing import VbatchServer
 from tests.e2e.conftest import MODEL, engine_flags, free_port
 from tests.e2e.helpers import holding
 from tests.helpers import wait_for

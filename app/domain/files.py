@@ -5,14 +5,14 @@ from __future__ import annotations
 from sqlalchemy.engine import Engine
 from sqlmodel import col
 
-from app import clock, failpoints
-from app.auth import visible
-from app.db import session_scope
-from app.errors import bad_request, not_found
-from app.models import FileRow
-from app.pagination import page
-from app.schemas import FileList, OpenAIFile
-from app.storage import Storage
+from app.core import clock, failpoints
+from app.core.auth import visible
+from app.core.db import session_scope, write_scope
+from app.core.storage import Storage
+from app.domain.errors import InvalidRequest, NotFound
+from app.domain.models import DeletedObject, FileRow
+from app.domain.pagination import page
+from app.domain.schemas import FileList, OpenAIFile
 
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
@@ -32,7 +32,7 @@ def to_wire(row: FileRow) -> OpenAIFile:
 
 def check_purpose(purpose: str) -> None:
     if purpose not in UPLOAD_PURPOSES:
-        raise bad_request(
+        raise InvalidRequest(
             f"Invalid value for 'purpose': '{purpose}'. Supported values are: {', '.join(UPLOAD_PURPOSES)}.",
             param="purpose",
             code="invalid_value",
@@ -43,7 +43,7 @@ def record_upload(
     *, db: Engine, file_id: str, size: int, filename: str, purpose: str, ttl_seconds: int | None, owner: str
 ) -> FileRow:
     """The file object for bytes already stored under `file_id`; until this commits, they are sweepable debris."""
-    failpoints.crash_here(failpoints.UPLOAD_SAVED)
+    failpoints.ARMED.crash_here(failpoints.UPLOAD_SAVED)
     created = clock.now()
     row = FileRow(
         id=file_id,
@@ -69,7 +69,7 @@ def get(*, db: Engine, file_id: str, owner: str | None) -> FileRow:
     with session_scope(db) as session:
         row = session.get(FileRow, file_id)
     if not usable(row, owner):
-        raise not_found("File", file_id)
+        raise NotFound("File", file_id)
     assert row is not None
     return row
 
@@ -100,10 +100,12 @@ def list_files(*, db: Engine, owner: str, purpose: str | None, limit: int, order
 
 
 async def delete(*, db: Engine, storage: Storage, file_id: str, owner: str) -> None:
-    with session_scope(db) as session:
+    """The row goes and a tombstone takes its place, in one write transaction; the bytes go after it commits."""
+    with write_scope(db) as session:
         row = session.get(FileRow, file_id)
         if row is None or not visible(row.owner, owner):
-            raise not_found("File", file_id)
+            raise NotFound("File", file_id)
         session.delete(row)
+        session.add(DeletedObject(id=row.id, created_ns=row.created_ns, owner=row.owner))
         session.commit()
     await storage.delete(file_id)

@@ -9,47 +9,34 @@ from dataclasses import dataclass
 from sqlalchemy.engine import Engine
 from sqlmodel import func, select
 
-from app import clock, files
-from app.auth import visible
-from app.db import session_scope, write_scope
-from app.errors import APIError, bad_request, not_found
-from app.ids import new_id
-from app.models import BatchRow, FileRow
-from app.pagination import page
-from app.schemas import (
+from app.core import clock
+from app.core.auth import visible
+from app.core.db import session_scope, write_scope
+from app.core.ids import new_id
+from app.domain import files
+from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
+from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus, InvalidTransition, check_move
+from app.domain.models import BatchRow, FileRow
+from app.domain.pagination import page
+from app.domain.schemas import (
     Batch,
+    BatchError,
     BatchErrors,
     BatchList,
+    BatchProgress,
     BatchUsage,
     CreateBatchRequest,
     InputTokensDetails,
     OutputTokensDetails,
     RequestCounts,
+    RunStats,
 )
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
-# The engine loop owns these: it picks them up in creation order, after a restart too.
-ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")
-
-TRANSITIONS: dict[str, frozenset[str]] = {
-    "validating": frozenset({"in_progress", "failed", "cancelling", "expired"}),
-    "in_progress": frozenset({"finalizing", "cancelling", "expired", "failed"}),
-    "finalizing": frozenset({"completed", "failed"}),
-    "cancelling": frozenset({"cancelled"}),
-    "completed": frozenset(),
-    "failed": frozenset(),
-    "expired": frozenset(),
-    "cancelled": frozenset(),
-}
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64
 MAX_METADATA_VALUE = 512
-
-
-class InvalidTransition(Exception):
-    pass
 
 
 @dataclass
@@ -71,7 +58,7 @@ def to_wire(row: BatchRow) -> Batch:
         errors=errors,
         input_file_id=row.input_file_id,
         completion_window=row.completion_window,
-        status=row.status,  # type: ignore[arg-type]
+        status=BatchStatus(row.status),
         output_file_id=row.output_file_id,
         error_file_id=row.error_file_id,
         created_at=row.created_at,
@@ -97,13 +84,13 @@ def to_wire(row: BatchRow) -> Batch:
 
 def _check_request(request: CreateBatchRequest, windows: dict[str, int]) -> None:
     if request.endpoint not in ENDPOINTS:
-        raise bad_request(
+        raise InvalidRequest(
             f"Invalid value for 'endpoint': '{request.endpoint}'. Supported: {', '.join(ENDPOINTS)}.",
             param="endpoint",
             code="invalid_value",
         )
     if request.completion_window not in windows:
-        raise bad_request(
+        raise InvalidRequest(
             f"Invalid value for 'completion_window': '{request.completion_window}'. Supported: {', '.join(windows)}.",
             param="completion_window",
             code="invalid_value",
@@ -115,14 +102,14 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
     if metadata is None:
         return
     if len(metadata) > MAX_METADATA_PAIRS:
-        raise bad_request(
+        raise InvalidRequest(
             f"'metadata' has {len(metadata)} pairs; at most {MAX_METADATA_PAIRS} are allowed.",
             param="metadata",
             code="invalid_value",
         )
     for key, value in metadata.items():
         if len(key) > MAX_METADATA_KEY or len(value) > MAX_METADATA_VALUE:
-            raise bad_request(
+            raise InvalidRequest(
                 f"'metadata' keys are at most {MAX_METADATA_KEY} characters and values at most {MAX_METADATA_VALUE}.",
                 param="metadata",
                 code="invalid_value",
@@ -136,11 +123,11 @@ def create(
     with write_scope(db) as session:
         source = session.get(FileRow, request.input_file_id)
         if not files.usable(source, owner):
-            raise not_found("File", request.input_file_id, param="input_file_id")
+            raise NotFound("File", request.input_file_id, param="input_file_id")
         assert source is not None
         _check_active_count(session, owner=owner, max_active=max_active)
         if source.purpose != "batch":
-            raise bad_request(
+            raise InvalidRequest(
                 f"File {source.id} has purpose '{source.purpose}'; a batch needs a file with purpose 'batch'.",
                 param="input_file_id",
                 code="invalid_file_purpose",
@@ -152,7 +139,7 @@ def create(
             endpoint=request.endpoint,
             input_file_id=request.input_file_id,
             completion_window=request.completion_window,
-            status="validating",
+            status=BatchStatus.VALIDATING,
             owner=owner,
             metadata_json=json.dumps(request.metadata) if request.metadata is not None else None,
             output_expires_after_seconds=(
@@ -174,21 +161,29 @@ def _check_active_count(session, *, owner: str, max_active: int) -> None:
         select(func.count()).select_from(BatchRow).where(BatchRow.owner == owner, BatchRow.status.in_(ACTIVE))  # type: ignore[attr-defined]
     )
     if session.exec(statement).one() >= max_active:
-        raise APIError(
-            429,
-            f"This API key already has {max_active} batches validating or running, the most allowed at once. "
-            "Wait for one to finish, or cancel one.",
-            param=None,
-            code="too_many_active_batches",
-        )
+        raise TooManyActive(max_active)
 
 
 def get(*, db: Engine, batch_id: str, owner: str | None) -> BatchRow:
     with session_scope(db) as session:
         row = session.get(BatchRow, batch_id)
     if row is None or not visible(row.owner, owner):
-        raise not_found("Batch", batch_id)
+        raise NotFound("Batch", batch_id)
     return row
+
+
+def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
+    """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run."""
+    timeline = live.timeline if live else (json.loads(row.timeline_json) if row.timeline_json else None)
+    return BatchProgress(
+        id=row.id,
+        status=BatchStatus(row.status),
+        request_counts=RequestCounts(total=row.total, completed=row.completed, failed=row.failed),
+        requests_per_second=live.requests_per_second if live else None,
+        output_tokens_per_second=live.output_tokens_per_second if live else None,
+        eta_seconds=live.eta_seconds if live else None,
+        timeline=timeline,
+    )
 
 
 def list_batches(*, db: Engine, owner: str, limit: int, after: str | None) -> BatchList:
@@ -203,19 +198,57 @@ def list_batches(*, db: Engine, owner: str, limit: int, after: str | None) -> Ba
     )
 
 
-def transition(*, db: Engine, batch_id: str, to: str, new_files: Sequence[FileRow] = (), **fields: object) -> BatchRow:
-    """Move a batch to `to`, stamping `<to>_at` once; fields and new file rows are written in the same transaction."""
+def transition(*, db: Engine, batch_id: str, to: BatchStatus) -> BatchRow:
+    """Move a batch to `to`, stamping the time it first got there."""
+    return _move(db=db, batch_id=batch_id, to=to)
+
+
+def start(*, db: Engine, batch_id: str, total: int, model: str | None) -> BatchRow:
+    """Validated: the batch runs `total` requests for `model`."""
+    return _move(db=db, batch_id=batch_id, to=BatchStatus.IN_PROGRESS, total=total, model=model)
+
+
+def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError]) -> BatchRow:
+    return _move(
+        db=db, batch_id=batch_id, to=BatchStatus.FAILED, errors_json=BatchErrors(data=list(errors)).model_dump_json()
+    )
+
+
+def publish(
+    *,
+    db: Engine,
+    batch_id: str,
+    to: BatchStatus,
+    output: FileRow | None,
+    error: FileRow | None,
+    progress: Progress,
+    timeline: dict[str, float],
+) -> BatchRow:
+    """End a batch with its result files: their File rows are created in the transaction that ends it, so a batch
+    is never final without its files, nor a result file listed for a batch that has not ended."""
+    return _move(
+        db=db,
+        batch_id=batch_id,
+        to=to,
+        new_files=[row for row in (output, error) if row is not None],
+        output_file_id=output.id if output else None,
+        error_file_id=error.id if error else None,
+        timeline_json=json.dumps(timeline),
+        **vars(progress),
+    )
+
+
+def _move(
+    *, db: Engine, batch_id: str, to: BatchStatus, new_files: Sequence[FileRow] = (), **fields: object
+) -> BatchRow:
     with write_scope(db) as session:
         session.add_all(new_files)
         row = session.get(BatchRow, batch_id)
         if row is None:
-            raise not_found("Batch", batch_id)
-        if to not in TRANSITIONS[row.status]:
-            raise InvalidTransition(f"{batch_id}: {row.status} -> {to}")
+            raise NotFound("Batch", batch_id)
+        check_move(row.status, to)
         row.status = to
-        stamp = f"{to}_at"
-        if getattr(row, stamp) is None:
-            setattr(row, stamp, clock.now())
+        row.stamp(to, clock.now())
         for name, value in fields.items():
             setattr(row, name, value)
         session.add(row)
@@ -226,36 +259,31 @@ def transition(*, db: Engine, batch_id: str, to: str, new_files: Sequence[FileRo
 def request_cancel(*, db: Engine, batch_id: str, owner: str) -> BatchRow:
     """Idempotent while cancelling; a finished batch cannot be cancelled (400, which the SDK does not retry)."""
     row = get(db=db, batch_id=batch_id, owner=owner)
-    if row.status == "cancelling":
+    if row.status == BatchStatus.CANCELLING:
         return row
-    if row.status in TERMINAL or row.status == "finalizing":
-        raise bad_request(
-            f"Cannot cancel a batch with status '{row.status}'.",
-            param="batch_id",
-            code="batch_not_cancellable",
-        )
+    if row.status in TERMINAL or row.status == BatchStatus.FINALIZING:
+        raise NotCancellable(row.status)
     try:
-        return transition(db=db, batch_id=batch_id, to="cancelling")
+        return transition(db=db, batch_id=batch_id, to=BatchStatus.CANCELLING)
     except InvalidTransition:
         # The loop moved it on between our read and our write: answer with what it is now.
         return request_cancel(db=db, batch_id=batch_id, owner=owner)
 
 
-def update(*, db: Engine, batch_id: str, **fields: object) -> BatchRow:
+def _update(*, db: Engine, batch_id: str, **fields: object) -> None:
     with write_scope(db) as session:
         row = session.get(BatchRow, batch_id)
         if row is None:
-            raise not_found("Batch", batch_id)
+            raise NotFound("Batch", batch_id)
         for name, value in fields.items():
             setattr(row, name, value)
         session.add(row)
         session.commit()
-    return row
 
 
 def save_checkpoint(*, db: Engine, batch_id: str, progress: Progress, output_bytes: int, error_bytes: int) -> None:
     """Counts and usage together with the fsynced part-file lengths they describe, in one transaction."""
-    update(db=db, batch_id=batch_id, output_bytes_done=output_bytes, error_bytes_done=error_bytes, **vars(progress))
+    _update(db=db, batch_id=batch_id, output_bytes_done=output_bytes, error_bytes_done=error_bytes, **vars(progress))
 
 
 def active(*, db: Engine) -> list[BatchRow]:
@@ -266,7 +294,3 @@ def active(*, db: Engine) -> list[BatchRow]:
             .order_by(BatchRow.created_ns.asc())  # type: ignore[attr-defined]
         )
         return list(session.exec(statement).all())
-
-
-def errors_json(errors: list) -> str:
-    return BatchErrors(data=errors).model_dump_json()

@@ -6,7 +6,7 @@ import sys
 
 import yaml
 
-from app.config import Settings
+from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
 

@@ -4,6 +4,7 @@ before the file (the SDK and curl send `purpose` first) pick the limit; one sent
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -12,11 +13,11 @@ from fastapi import Request
 from python_multipart.exceptions import MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from app.config import Settings
-from app.errors import APIError, bad_request
-from app.files import check_purpose
-from app.ids import new_id
-from app.storage import Storage, UploadTooLarge
+from app.api.errors import APIError, bad_request
+from app.core.config import Settings
+from app.core.ids import new_id
+from app.core.storage import Storage, UploadTooLarge
+from app.domain.files import check_purpose
 
 MIN_TTL, MAX_TTL = 3600, 2_592_000
 # Room for the form's own bytes (boundaries, part headers, small fields) on top of the file's limit.
@@ -24,6 +25,10 @@ FORM_OVERHEAD = 64 * 1024
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 16
 MAX_FILENAME_CHARS = 1024
+# A batch file's first line is read from this much of its head (a longer first line is left to validation).
+SNIFF_BYTES = 1 << 20
+EXPIRES_AFTER_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")
+FORM_FIELDS = ("file", "purpose", "expires_after", *EXPIRES_AFTER_FIELDS)
 
 
 @dataclass
@@ -35,6 +40,13 @@ class Upload:
     filename: str
     purpose: str
     ttl_seconds: int | None
+
+
+@dataclass
+class _Stored:
+    size: int
+    filename: str
+    head: bytes  # the first bytes, up to SNIFF_BYTES: enough to tell a JSONL file from anything else
 
 
 @dataclass
@@ -175,15 +187,19 @@ async def receive_upload(request: Request, *, storage: Storage, settings: Settin
     _check_declared(request, _limit(settings, None))
     fields: dict[str, str] = {}
     file_id = new_id("file-")
-    stored: tuple[int, str] | None = None
+    stored: _Stored | None = None
     try:
         async for part in form.parts():
             if part.name == "file" and part.filename is not None and stored is None:
                 stored = await _store(form, part, fields, file_id, storage=storage, settings=settings)
-            elif part.name in ("purpose", "expires_after[anchor]", "expires_after[seconds]"):
+            elif part.name in FORM_FIELDS and part.name != "file":
                 fields[part.name] = await form.text(part.name)
                 if part.name == "purpose":
                     check_purpose(fields["purpose"])
+            else:
+                raise bad_request(
+                    f"Unrecognized request argument supplied: '{part.name}'.", param=part.name, code="unknown_parameter"
+                )
         return _complete(fields, stored, file_id, settings)
     except BaseException:
         if stored is not None:
@@ -193,40 +209,90 @@ async def receive_upload(request: Request, *, storage: Storage, settings: Settin
 
 async def _store(
     form: _FormStream, part: _Part, fields: dict[str, str], file_id: str, *, storage: Storage, settings: Settings
-) -> tuple[int, str]:
+) -> _Stored:
     limit = _limit(settings, fields.get("purpose"))
     _check_declared(form.request, limit)
     filename = part.filename or "upload"
     if len(filename) > MAX_FILENAME_CHARS:
         raise bad_request(f"The filename is longer than {MAX_FILENAME_CHARS} characters.", param="file")
+    head = bytearray()
+
+    async def keeping_head() -> AsyncIterator[bytes]:
+        async for chunk in form.data():
+            if len(head) < SNIFF_BYTES:
+                head.extend(chunk[: SNIFF_BYTES - len(head)])
+            yield chunk
+
     try:
-        size = await storage.save_stream(file_id, form.data(), max_bytes=limit)
+        size = await storage.save_stream(file_id, keeping_head(), max_bytes=limit)
     except UploadTooLarge:
         raise _too_large(limit) from None
-    return size, filename
+    return _Stored(size=size, filename=filename, head=bytes(head))
 
 
-def _complete(fields: dict[str, str], stored: tuple[int, str] | None, file_id: str, settings: Settings) -> Upload:
+def _complete(fields: dict[str, str], stored: _Stored | None, file_id: str, settings: Settings) -> Upload:
     if stored is None:
         raise bad_request("Missing required parameter: 'file'.", param="file", code="missing_required_parameter")
     purpose = fields.get("purpose")
     if purpose is None:
         raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
-    size, filename = stored
-    if size > settings.upload_limit(purpose):  # `purpose` came after the file
+    if stored.size > settings.upload_limit(purpose):  # `purpose` came after the file
         raise _too_large(settings.upload_limit(purpose))
+    # A batch file of blank lines holds no request: as empty as one of no bytes.
+    blank = stored.size == 0 or (purpose == "batch" and stored.size == len(stored.head) and not stored.head.strip())
+    if blank:
+        raise bad_request("The file is empty.", param="file", code="empty_file")
+    if purpose == "batch" and not _opens_like_jsonl(stored.head):
+        raise bad_request(
+            "Invalid file format for Batch API. Must be .jsonl: one JSON object (a request) a line.",
+            param="file",
+            code="invalid_file_format",
+        )
     ttl = _ttl(fields, purpose, settings)
-    return Upload(file_id=file_id, size=size, filename=filename, purpose=purpose, ttl_seconds=ttl)
+    return Upload(file_id=file_id, size=stored.size, filename=stored.filename, purpose=purpose, ttl_seconds=ttl)
+
+
+def _opens_like_jsonl(head: bytes) -> bool:
+    """Whether the file's first line is a JSON object. Every line is checked when a batch validates it; this only
+    turns away, at once, the CSV, text or binary file uploaded by mistake."""
+    first, newline, _ = head.removeprefix(b"\xef\xbb\xbf").lstrip().partition(b"\n")
+    if not newline and len(head) >= SNIFF_BYTES:
+        return True  # a first line longer than we read: validation will judge it
+    try:
+        return isinstance(json.loads(first), dict)
+    except RecursionError:
+        return True  # nested deeper than Python parses: validation reports it with its line
+    except ValueError:
+        return False
+
+
+def _expires_after(fields: dict[str, str]) -> tuple[str | None, str | None]:
+    """(anchor, seconds) from `expires_after[anchor]`/`[seconds]`, or from `expires_after` sent as a JSON object."""
+    if "expires_after" not in fields:
+        return fields.get("expires_after[anchor]"), fields.get("expires_after[seconds]")
+    try:
+        value = json.loads(fields["expires_after"])
+    except ValueError:
+        value = None
+    if not isinstance(value, dict) or set(value) - {"anchor", "seconds"}:
+        raise bad_request(
+            "'expires_after' must be an object with 'anchor' and 'seconds'.",
+            param="expires_after",
+            code="invalid_value",
+        )
+    anchor, seconds = value.get("anchor"), value.get("seconds")
+    return (None if anchor is None else str(anchor)), (None if seconds is None else str(seconds))
 
 
 def _ttl(fields: dict[str, str], purpose: str, settings: Settings) -> int | None:
-    anchor = fields.get("expires_after[anchor]")
-    seconds = fields.get("expires_after[seconds]")
+    anchor, seconds = _expires_after(fields)
     if anchor is None and seconds is None:
         return settings.batch_file_ttl_seconds if purpose == "batch" else None
     # `created_at` is the only anchor there is, so a form that gives only the seconds means it.
     if anchor not in (None, "created_at"):
-        raise bad_request("'expires_after[anchor]' must be 'created_at'.", param="expires_after.anchor")
+        raise bad_request(
+            "'expires_after[anchor]' must be 'created_at'.", param="expires_after.anchor", code="invalid_value"
+        )
     try:
         value = int(str(seconds))
     except ValueError:
@@ -235,5 +301,6 @@ def _ttl(fields: dict[str, str], purpose: str, settings: Settings) -> int | None
         raise bad_request(
             f"'expires_after[seconds]' must be an integer from {MIN_TTL} to {MAX_TTL}.",
             param="expires_after.seconds",
+            code="invalid_value",
         )
     return value

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from sqlmodel import Field, SQLModel
+from sqlalchemy import BigInteger, Column
+from sqlmodel import AutoString, Field, SQLModel
+
+from app.domain.lifecycle import BatchStatus
 
 
 class FileRow(SQLModel, table=True):
@@ -18,7 +21,7 @@ class FileRow(SQLModel, table=True):
     purpose: str = Field(index=True)
     status: str = "processed"
     batch_id: str | None = Field(default=None, index=True)
-    # The API key (its owner id, app.auth) that uploaded it, or whose batch wrote it.
+    # The API key (its owner id, app.core.auth) that uploaded it, or whose batch wrote it.
     owner: str = Field(default="", index=True)
 
 
@@ -30,7 +33,7 @@ class BatchRow(SQLModel, table=True):
     endpoint: str
     input_file_id: str
     completion_window: str
-    status: str = Field(index=True)
+    status: BatchStatus = Field(sa_type=AutoString, index=True)
     owner: str = Field(default="", index=True)
     model: str | None = None
     errors_json: str | None = None
@@ -62,3 +65,34 @@ class BatchRow(SQLModel, table=True):
     # A restart cuts the part files back to these lengths, so counts and files always agree.
     output_bytes_done: int = 0
     error_bytes_done: int = 0
+    # Seconds from the start of the last run to each stage it reached (JSON), written when the batch ends.
+    timeline_json: str | None = None
+
+    def stamp(self, status: BatchStatus, at: int) -> None:
+        """The time the batch first reached `status` (a status reached again keeps its first time)."""
+        match status:
+            case BatchStatus.IN_PROGRESS:
+                self.in_progress_at = self.in_progress_at or at
+            case BatchStatus.FINALIZING:
+                self.finalizing_at = self.finalizing_at or at
+            case BatchStatus.COMPLETED:
+                self.completed_at = self.completed_at or at
+            case BatchStatus.FAILED:
+                self.failed_at = self.failed_at or at
+            case BatchStatus.EXPIRED:
+                self.expired_at = self.expired_at or at
+            case BatchStatus.CANCELLING:
+                self.cancelling_at = self.cancelling_at or at
+            case BatchStatus.CANCELLED:
+                self.cancelled_at = self.cancelled_at or at
+
+
+class DeletedObject(SQLModel, table=True):
+    """What a deleted object leaves behind: enough for a list cursor that names it to page on from where it stood
+    (clients delete while they iterate), and no more."""
+
+    __tablename__ = "deleted_objects"
+
+    id: str = Field(primary_key=True)
+    created_ns: int = Field(sa_column=Column(BigInteger, nullable=False))
+    owner: str = Field(default="", index=True)

@@ -11,9 +11,9 @@ from typing import Literal
 
 from sqlalchemy.engine import Engine
 
-from app import batches
-from app.engine.parts import part_names
-from app.storage import Storage
+from app.core.storage import Storage
+from app.domain import batches
+from app.domain.results import part_names
 
 Kind = Literal["output", "error"]
 

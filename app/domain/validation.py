@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
-from app.schemas import BatchError
+from app.domain.input_index import InputIndex
+from app.domain.schemas import BatchError
 
 # A file with thousands of bad lines gets a readable report, not a megabyte of errors.
 MAX_REPORTED_ERRORS = 100
@@ -32,6 +33,8 @@ class Report:
     model: str | None = None
     errors: list[BatchError] = field(default_factory=list)
     error_count: int = 0
+    # Every valid line; the batch runs from it once the whole file is valid.
+    index: InputIndex = field(default_factory=InputIndex)
 
     def add(self, code: str, message: str, *, line: int | None = None, param: str | None = None) -> None:
         self.error_count += 1
@@ -43,8 +46,15 @@ class Report:
         return self.error_count == 0
 
 
-def numbered_lines(path: Path, max_line_bytes: int | None = None) -> Iterator[tuple[int, bytes]]:
-    """(1-based line number, line bytes without the terminator); blank lines are skipped, as OpenAI does.
+@dataclass(frozen=True)
+class RawLine:
+    number: int  # 1-based, counting blank lines
+    offset: int  # where `data` starts in the file
+    data: bytes  # without its terminator (and without a BOM on line 1)
+
+
+def numbered_lines(path: Path, max_line_bytes: int | None = None) -> Iterator[RawLine]:
+    """The file's non-blank lines, in one pass; blank lines are skipped, as OpenAI does.
 
     With `max_line_bytes`, a longer line comes back cut to one byte over the limit, so that a file of one huge
     line is never held in memory whole.
@@ -52,50 +62,66 @@ def numbered_lines(path: Path, max_line_bytes: int | None = None) -> Iterator[tu
     cap = -1 if max_line_bytes is None else max_line_bytes + 3  # room for a BOM or CRLF around a full line
     with path.open("rb") as src:
         number = 0
+        offset = 0
         while raw := src.readline(cap):
             number += 1
+            start = offset
+            offset += len(raw)
             if not raw.endswith(b"\n") and len(raw) == cap:
-                _skip_rest_of_line(src)
+                offset += _skip_rest_of_line(src)
             line = raw.rstrip(b"\r\n")
             if number == 1 and line.startswith(b"\xef\xbb\xbf"):
-                line = line[3:]
+                line, start = line[3:], start + 3
             if line.strip():
-                yield number, line
+                yield RawLine(number, start, line)
 
 
-def _skip_rest_of_line(src) -> None:
-    while (rest := src.readline(1 << 20)) and not rest.endswith(b"\n"):
-        pass
+def _skip_rest_of_line(src) -> int:
+    skipped = 0
+    while rest := src.readline(1 << 20):
+        skipped += len(rest)
+        if rest.endswith(b"\n"):
+            break
+    return skipped
 
 
-def validate_lines(lines: Iterable[tuple[int, bytes]], limits: Limits) -> Report:
+def validate_lines(lines: Iterable[RawLine], limits: Limits) -> Report:
     report = Report()
     seen_ids: set[str] = set()
-    for number, line in lines:
+    for line in lines:
         report.total += 1
         if report.total > limits.max_requests:
             report.add(
                 "too_many_requests",
                 f"The input file has more than the maximum of {limits.max_requests} requests.",
-                line=number,
+                line=line.number,
             )
             break
-        _check_line(number, line, limits, seen_ids, report)
+        request = _check_line(line.number, line.data, limits, seen_ids, report)
+        if request is not None and report.ok:
+            report.index.add(
+                number=line.number,
+                offset=line.offset,
+                length=len(line.data),
+                custom_id=request["custom_id"],
+                body=request["body"],
+            )
     if report.total == 0:
         report.add("empty_file", "The input file is empty: it holds no requests.")
     return report
 
 
-def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], report: Report) -> None:
+def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], report: Report) -> dict | None:
+    """The request on the line, or None (with the problem in `report`)."""
     if len(line) > limits.max_line_bytes:
         report.add("line_too_large", f"This line is larger than {limits.max_line_bytes} bytes.", line=number)
-        return
+        return None
     request = _parse(line)
     problem = _syntax_problem(request) or _shape_problem(request, limits)
     if problem is not None:
         code, message, param = problem
         report.add(code, message, line=number, param=param)
-        return
+        return None
     assert isinstance(request, dict)
     custom_id = request["custom_id"]
     if custom_id in seen_ids:
@@ -105,9 +131,9 @@ def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], re
             line=number,
             param="custom_id",
         )
-        return
+        return None
     seen_ids.add(custom_id)
-    _check_model(number, request["body"], limits, report)
+    return request if _model_ok(number, request["body"], limits, report) else None
 
 
 class _Unparsed(Enum):
@@ -196,10 +222,10 @@ def _show(value: object) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _check_model(number: int, body: dict, limits: Limits, report: Report) -> None:
+def _model_ok(number: int, body: dict, limits: Limits, report: Report) -> bool:
     model = body.get("model")
     if model is None:
-        return
+        return True
     if not isinstance(model, str) or model not in limits.served_models:
         report.add(
             "model_not_found",
@@ -207,7 +233,7 @@ def _check_model(number: int, body: dict, limits: Limits, report: Report) -> Non
             line=number,
             param="body.model",
         )
-        return
+        return False
     if report.model is None:
         report.model = model
     elif model != report.model:
@@ -217,13 +243,10 @@ def _check_model(number: int, body: dict, limits: Limits, report: Report) -> Non
             line=number,
             param="body.model",
         )
+        return False
+    return True
 
 
 def validate_file(path: Path, limits: Limits) -> Report:
+    """The file's one full read: every line checked, and the index of the valid ones built as it goes."""
     return validate_lines(numbered_lines(path, limits.max_line_bytes), limits)
-
-
-def request_lines(path: Path) -> Iterator[tuple[int, dict]]:
-    """The validated requests, parsed again: (line number, request)."""
-    for number, line in numbered_lines(path):
-        yield number, json.loads(line)

@@ -8,7 +8,7 @@ import hmac
 import ipaddress
 from pathlib import Path
 
-from app.errors import APIError
+from app.domain.errors import Unauthenticated
 
 # Files and batches made while no keys are configured belong to nobody in particular.
 ANONYMOUS = ""
@@ -55,14 +55,14 @@ class KeyRing:
         scheme, _, key = (authorization or "").partition(" ")
         key = key.strip()
         if scheme.lower() != "bearer" or not key:
-            raise APIError(401, _MISSING, param=None, code=None)
+            raise Unauthenticated(_MISSING)
         presented = digest(key)
         # Every digest is compared, so the time taken says nothing about which key came close.
         found = False
         for known in self._digests:
             found |= hmac.compare_digest(known, presented)
         if not found:
-            raise APIError(401, _WRONG, param=None, code="invalid_api_key")
+            raise Unauthenticated(_WRONG, code="invalid_api_key")
         return presented[:_OWNER_HEX]
 
 

@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         return {w.strip(): window_seconds(w.strip()) for w in self.completion_windows.split(",")}
 
     def read_api_keys(self) -> list[str]:
-        from app.auth import read_keys
+        from app.core.auth import read_keys
 
         return read_keys(inline=self.api_keys, path=self.api_keys_file)
 

@@ -7,8 +7,9 @@ from typing import Any, TypeVar
 from sqlalchemy import and_, or_
 from sqlmodel import Session, select
 
-from app.auth import visible
-from app.errors import bad_request
+from app.core.auth import visible
+from app.domain.errors import InvalidRequest
+from app.domain.models import DeletedObject
 
 Row = TypeVar("Row", bound=Any)
 
@@ -23,12 +24,15 @@ def page(
     after: str | None,
     descending: bool,
 ) -> tuple[list[Row], bool]:
-    """The owner's rows in (created_ns, id) order, strictly after the row `after`, at most `limit`; plus has_more."""
+    """The owner's rows in (created_ns, id) order, strictly after the row `after`, at most `limit`; plus has_more.
+
+    A cursor names the last object of the previous page, which the client may have deleted since (cleanup scripts
+    delete as they iterate): its tombstone still says where it stood."""
     statement = select(table).where(table.owner == owner, *filters)
     if after is not None:
-        anchor = session.get(table, after)
+        anchor = session.get(table, after) or session.get(DeletedObject, after)
         if anchor is None or not visible(anchor.owner, owner):
-            raise bad_request(f"No such object for 'after': {after}", param="after")
+            raise InvalidRequest(f"No such object for 'after': {after}", param="after")
         newer = or_(
             table.created_ns > anchor.created_ns,
             and_(table.created_ns == anchor.created_ns, table.id > anchor.id),

@@ -49,6 +49,18 @@ class Storage:
             raise
         return size
 
+    async def save_bytes(self, name: str, data: bytes) -> None:
+        """All of `data` under `name`, durably and whole (the same temporary-file dance as an upload)."""
+
+        async def once() -> AsyncIterator[bytes]:
+            yield data
+
+        await self.save_stream(name, once(), max_bytes=len(data))
+
+    async def read_bytes(self, name: str) -> bytes:
+        async with aiofiles.open(self.path(name), "rb") as src:
+            return await src.read()
+
     async def read_chunks(self, name: str) -> AsyncIterator[bytes]:
         async with aiofiles.open(self.path(name), "rb") as src:
             while chunk := await src.read(CHUNK_BYTES):
@@ -77,9 +89,6 @@ class Storage:
 
     def open_appender(self, name: str) -> ResultAppender:
         return ResultAppender(self.path(name))
-
-    async def rename(self, old: str, new: str) -> None:
-        await aiofiles.os.replace(self.path(old), self.path(new))
 
     async def link(self, existing: str, new: str) -> None:
         """A second name for the same bytes: publishing a result file keeps its part file until SQLite commits."""
@@ -127,10 +136,7 @@ class ResultAppender:
         self.bytes = 0
         self._file: AsyncBufferedIOBase | None = None
 
-    async def open(self, *, keep_bytes: int | None = None) -> None:
-        """Open for appending; with `keep_bytes`, first cut the file back to that length (the last checkpoint)."""
-        if keep_bytes is not None and self.path.exists() and self.path.stat().st_size > keep_bytes:
-            os.truncate(self.path, keep_bytes)
+    async def open(self) -> None:
         self._file = await aiofiles.open(self.path, "ab")
         self.bytes = await self._file.tell()
 

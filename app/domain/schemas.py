@@ -6,10 +6,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-FilePurpose = Literal["assistants", "batch", "fine-tune", "vision", "user_data", "evals"]
-BatchStatus = Literal[
-    "validating", "failed", "in_progress", "finalizing", "completed", "expired", "cancelling", "cancelled"
-]
+from app.domain.lifecycle import BatchStatus
 
 
 class OpenAIFile(BaseModel):
@@ -95,6 +92,32 @@ class Batch(BaseModel):
     request_counts: RequestCounts
     usage: BatchUsage
     metadata: dict[str, str] | None
+
+
+class RunStats(BaseModel):
+    """A running batch's live numbers (a vbatch extension)."""
+
+    requests_per_second: float | None
+    output_tokens_per_second: float | None
+    # Null until the rate can say how long the rest will take.
+    eta_seconds: float | None
+    # Seconds from the start of the batch's (last) run to each stage reached: planned, all_sent, first_result,
+    # last_result, published.
+    timeline: dict[str, float]
+
+
+class BatchProgress(BaseModel):
+    """`GET /v1/batches/{id}/progress`: what `GET /v1/batches/{id}` says, plus how fast (a vbatch extension)."""
+
+    object: Literal["batch.progress"] = "batch.progress"
+    id: str
+    status: BatchStatus
+    request_counts: RequestCounts
+    # Live while the batch runs; once it has ended, `timeline` is its last run's and the rates are null.
+    requests_per_second: float | None
+    output_tokens_per_second: float | None
+    eta_seconds: float | None
+    timeline: dict[str, float] | None
 
 
 class BatchList(BaseModel):

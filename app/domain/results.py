@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from app.batches import Progress
-from app.ids import new_id
+from app.core.ids import new_id
+from app.domain.batches import Progress
 
 EXPIRED_MESSAGE = "This request could not be executed before the completion window expired."
 CANCELLED_MESSAGE = "The batch was cancelled before this request executed."
@@ -25,6 +25,16 @@ class Outcome:
     @property
     def succeeded(self) -> bool:
         return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def part_names(batch_id: str) -> tuple[str, str]:
+    """A running batch's result files in Storage: output and error lines as they finish."""
+    return f"{batch_id}.output.part", f"{batch_id}.error.part"
+
+
+def index_name(batch_id: str) -> str:
+    """A batch's input index in Storage (`app.domain.input_index`), from validation until the batch ends."""
+    return f"{batch_id}.index"
 
 
 def http_outcome(custom_id: str, status_code: int, body: dict) -> Outcome:

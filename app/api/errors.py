@@ -1,0 +1,158 @@
+"""OpenAI's error envelope: domain errors and HTTP-layer errors rendered by one set of handlers."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from app.domain.errors import DomainError, InvalidRequest, NotFound, TooManyActive, Unauthenticated
+
+log = logging.getLogger("vbatch.api")
+
+
+class APIError(Exception):
+    """An error of the HTTP layer itself (a form that cannot be parsed, a body too large)."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad_request(message: str, *, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_domain(exc: DomainError) -> APIError:
+    if isinstance(exc, NotFound):
+        return APIError(404, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, Unauthenticated):
+        return APIError(401, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, TooManyActive):
+        # OpenAI's SDKs retry a 429 at once unless told that waiting is what helps.
+        headers = {"retry-after": str(exc.retry_after_seconds), "x-should-retry": "false"}
+        return APIError(429, exc.message, param=exc.param, code=exc.code, headers=headers)
+    if isinstance(exc, InvalidRequest):
+        return bad_request(exc.message, param=exc.param, code=exc.code)
+    return APIError(500, exc.message, type="server_error", param=exc.param, code=exc.code)
+
+
+def _respond(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
+
+
+def _param_of(loc: tuple) -> str | None:
+    """('body', 'metadata', 'k') -> 'metadata.k': the parameter's path inside its location."""
+    return ".".join(str(part) for part in loc[1:]) or None
+
+
+def _first_required_body_field(request: Request) -> str | None:
+    """For a request with no body at all: the parameter OpenAI would name, the body model's first required one."""
+    route = request.scope.get("route")
+    body_field = getattr(route, "body_field", None) if isinstance(route, APIRoute) else None
+    model = getattr(getattr(body_field, "field_info", None), "annotation", None)
+    fields = getattr(model, "model_fields", {})
+    return next((name for name, field in fields.items() if field.is_required()), None)
+
+
+def _from_validation(request: Request, exc: RequestValidationError) -> APIError:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "Invalid request.", "type": ""}
+    loc = tuple(first.get("loc", ()))
+    kind = first.get("type")
+    if kind == "json_invalid" or (kind in ("model_attributes_type", "dict_type") and loc == ("body",)):
+        return bad_request("We could not parse the JSON body of your request.", code="invalid_json")
+    param = _param_of(loc)
+    if kind == "missing":
+        param = param or _first_required_body_field(request)
+        return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+    return bad_request(f"Invalid value for '{param}': {first.get('msg')}.", param=param, code="invalid_value")
+
+
+def _allowed_methods(app: FastAPI, path: str) -> str:
+    """Every method the path answers to: Starlette's own `Allow` names only the first route that matched it."""
+    methods: set[str] = set()
+    for route in app.routes:
+        pattern = getattr(route, "path_regex", None)
+        if pattern is not None and pattern.match(path):
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return _respond(exc)
+
+    @app.exception_handler(DomainError)
+    async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
+        return _respond(from_domain(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _respond(_from_validation(request, exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else "Request failed."
+        if exc.status_code == 404 and message == "Not Found":
+            message = "Unknown request URL. Please check the URL and method."
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:
+            headers["Allow"] = _allowed_methods(app, request.url.path)
+        return _respond(APIError(exc.status_code, message, type=kind, headers=headers))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return _respond(APIError(500, "The server had an error while processing your request.", type="server_error"))
+
+
+def document_errors(app: FastAPI) -> None:
+    """The OpenAPI document names the errors the server really sends: FastAPI would declare `422
+    HTTPValidationError` on every operation with parameters, but every invalid request gets the 400 envelope."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        document = generate()
+        for operations in document.get("paths", {}).values():
+            for operation in operations.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None and "400" not in responses:
+                    responses["400"] = _ERROR_RESPONSE
+        schemas = document.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        app.openapi_schema = document
+        return document
+
+    app.openapi = openapi  # type: ignore[method-assign]
+
+
+_ERROR_RESPONSE = {
+    "description": "Bad Request",
+    "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}},
+}

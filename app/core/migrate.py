@@ -1,0 +1,30 @@
+"""Brings a database to the newest schema with Alembic, as `vbatch serve` does at start."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+
+
+def migrations_dir() -> Path:
+    """The top-level `migrations/` ships inside the wheel as the package `app.migrations` (pyproject.toml); a source
+    tree that is not installed (on PYTHONPATH, as on the GPU machine) has it beside `app/`."""
+    spec = importlib.util.find_spec("app.migrations")
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parents[2] / "migrations"
+
+
+def alembic_config(database_path: Path) -> Config:
+    config = Config()
+    config.set_main_option("script_location", str(migrations_dir()))
+    config.set_main_option("sqlalchemy.url", f"sqlite:///{database_path}")
+    return config
+
+
+def upgrade_to_head(database_path: Path) -> None:
+    database_path.parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(database_path), "head")

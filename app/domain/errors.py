@@ -1,0 +1,45 @@
+"""What the domain refuses, in its own terms. `app.api.errors` alone turns these into OpenAI's HTTP envelopes, so
+code that runs on the engine thread never builds an HTTP answer."""
+
+from __future__ import annotations
+
+
+class DomainError(Exception):
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+
+class InvalidRequest(DomainError):
+    """The request cannot be carried out as asked; asking again unchanged will not help."""
+
+
+class NotFound(DomainError):
+    def __init__(self, kind: str, object_id: str, *, param: str | None = "id", code: str | None = None) -> None:
+        super().__init__(f"No such {kind} object: {object_id}", param=param, code=code)
+
+
+class NotCancellable(InvalidRequest):
+    def __init__(self, status: str) -> None:
+        super().__init__(
+            f"Cannot cancel a batch with status '{status}'.", param="batch_id", code="batch_not_cancellable"
+        )
+
+
+class TooManyActive(DomainError):
+    """A quota that frees itself only as the caller's own batches end: a prompt retry cannot help."""
+
+    retry_after_seconds = 60
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(
+            f"This API key already has {limit} batches validating or running, the most allowed at once. "
+            "Wait for one to finish, or cancel one.",
+            code="too_many_active_batches",
+        )
+
+
+class Unauthenticated(DomainError):
+    pass

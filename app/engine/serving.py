@@ -1,0 +1,89 @@
+"""What the engine loop needs of an engine, and how it gets one: a `Serving` from an `EngineFactory`.
+
+The real factory starts vLLM (`app.engine.vllm_adapter.engine_factory`); tests pass a fake one
+(`app.testing.FakeEngine`); failpoints wrap either (`poisoned`). The loop never knows which it has.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol
+
+log = logging.getLogger("vbatch.engine")
+
+
+class EngineDead(Exception):
+    """The engine process is gone; every request in flight failed with it."""
+
+
+class Serving(Protocol):
+    """One live engine behind vLLM's OpenAI serving layer."""
+
+    @property
+    def max_num_seqs(self) -> int: ...
+
+    @property
+    def served_models(self) -> list[str]: ...
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone."""
+        ...
+
+    async def is_alive(self) -> bool: ...
+
+    def generated_tokens(self) -> int | None:
+        """Output tokens the engine has generated since it started, finished requests or not (None: unknown).
+        Called from any thread."""
+        ...
+
+
+# Each call starts a new engine; leaving the context stops it.
+EngineFactory = Callable[[], AbstractAsyncContextManager[Serving]]
+
+
+def poisoned(factory: EngineFactory, poison_user: str) -> EngineFactory:
+    """The poison failpoint: a request whose `user` is `poison_user` kills the engine core process before it runs,
+    a real engine death, as an out-of-memory kill of the engine core would be."""
+
+    @asynccontextmanager
+    async def start() -> AsyncIterator[Serving]:
+        async with factory() as serving:
+            yield _Poisoned(serving, poison_user)
+
+    return start
+
+
+class _Poisoned:
+    def __init__(self, serving: Serving, poison_user: str) -> None:
+        self._serving = serving
+        self._poison_user = poison_user
+
+    @property
+    def max_num_seqs(self) -> int:
+        return self._serving.max_num_seqs
+
+    @property
+    def served_models(self) -> list[str]:
+        return self._serving.served_models
+
+    async def is_alive(self) -> bool:
+        return await self._serving.is_alive()
+
+    def generated_tokens(self) -> int | None:
+        return self._serving.generated_tokens()
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        if body.get("user") == self._poison_user:
+            _kill_engine_core()
+        return await self._serving.execute(endpoint, body)
+
+
+def _kill_engine_core() -> None:
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        if "EngineCore" in child.name():
+            log.warning("failpoint poison: killing engine core pid %d", child.pid)
+            child.kill()

@@ -1,0 +1,170 @@
+"""What tests, the demo and the benchmarks share: a fake engine for fast tests of everything around the engine, and
+a harness that runs a real `vbatch serve` in a process of its own (as procrastinate ships `procrastinate.testing`).
+
+The fake engine is never the only proof that a feature works: the end-to-end tests run the real one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import httpx
+
+from app.engine.serving import EngineDead
+
+FAKE_MODEL = "fake-model"
+
+
+class FakeExecutor:
+    """Answers like a tiny chat model. `seed: 1` kills it, as a seeded request kills the CPU engine (FACTS.md)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.generated = 0  # completion tokens answered so far
+        self.bodies: list[dict] = []
+        # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
+        self.answer_first: int | None = None
+        self.gate = asyncio.Event()
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        self.calls += 1
+        self.bodies.append(body)
+        if self.answer_first is not None and self.calls > self.answer_first:
+            try:
+                await self.gate.wait()
+            except asyncio.CancelledError:
+                # As vLLM's handlers do: an aborted request comes back as an error body, not an exception.
+                return 400, _error_body("Client disconnected", "BadRequestError", None)
+        if body.get("seed") == 1:
+            raise EngineDead("engine core died")
+        if body.get("max_tokens", 1) < 0:
+            return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
+        self.generated += 1
+        return 200, {
+            "id": f"chatcmpl-{self.calls}",
+            "object": "chat.completion",
+            "created": 0,
+            "model": body.get("model", FAKE_MODEL),
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+            "usage": {
+                "prompt_tokens": 5,
+                "completion_tokens": 1,
+                "total_tokens": 6,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        }
+
+
+def _error_body(message: str, kind: str, param: str | None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": 400}}
+
+
+class FakeServing:
+    max_num_seqs = 4
+
+    def __init__(self, executor: FakeExecutor) -> None:
+        self.executor = executor
+        self.served_models = [FAKE_MODEL]
+        self.alive = True  # a test sets it False to stand for an engine that died while idle
+
+    async def is_alive(self) -> bool:
+        return self.alive
+
+    def generated_tokens(self) -> int | None:
+        return self.executor.generated
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        return await self.executor.execute(endpoint, body)
+
+
+class FakeEngine:
+    """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
+    test sees all calls across restarts."""
+
+    def __init__(self) -> None:
+        self.executor = FakeExecutor()
+        self.starts = 0
+        self.fail_restarts = False
+        self.serving: FakeServing | None = None
+
+    @asynccontextmanager
+    async def __call__(self) -> AsyncIterator[FakeServing]:
+        self.starts += 1
+        if self.starts > 1 and self.fail_restarts:
+            raise RuntimeError("engine start failed")
+        self.serving = FakeServing(self.executor)
+        yield self.serving
+
+
+class VbatchServer:
+    """`vbatch serve` in its own process group, so that stopping it stops the engine too."""
+
+    def __init__(self, data_dir: Path, port: int, engine_args: list[str], log_path: Path, env: dict | None = None):
+        self.base_url = f"http://127.0.0.1:{port}"
+        self.data_dir = data_dir
+        self.log_path = log_path
+        self.log = log_path.open("wb")
+        command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(port)]
+        self.started = time.monotonic()
+        self.health_seen: set[str] = set()
+        self.process = subprocess.Popen(
+            command + engine_args,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+
+    def wait_ready(self, timeout: float) -> float:
+        """Seconds until /health says ok; every status it answered on the way is kept in `health_seen`."""
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vbatch serve exited with {self.process.returncode}; see {self.log_path}")
+            try:
+                response = httpx.get(f"{self.base_url}/health", timeout=2)
+                self.health_seen.add(response.json()["status"])
+                if response.status_code == 200:
+                    return time.monotonic() - self.started
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vbatch serve was not ready in {timeout} s; see {self.log_path}")
+
+    def kill(self) -> None:
+        """`kill -9` of the service and its engine, as an out-of-memory killer or a lost machine would do."""
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+    def wait_exit(self, timeout: float) -> int:
+        code = self.process.wait(timeout=timeout)
+        self.log.close()
+        return code
+
+    def engine_core_pids(self) -> list[int]:
+        import psutil
+
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        return [child.pid for child in children if "EngineCore" in child.name()]
+
+    def stop(self) -> None:
+        if self.log.closed:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        self.log.close()
