@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -33,6 +33,8 @@ class FakeExecutor:
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
         self.answer_first: int | None = None
         self.gate = asyncio.Event()
+        # Called with each body just before its answer is returned (on the engine thread).
+        self.before_answer: Callable[[dict], None] | None = None
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         self.calls += 1
@@ -48,6 +50,8 @@ class FakeExecutor:
         if body.get("max_tokens", 1) < 0:
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
         self.generated += 1
+        if self.before_answer is not None:
+            self.before_answer(body)
         return 200, {
             "id": f"chatcmpl-{self.calls}",
             "object": "chat.completion",

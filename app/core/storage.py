@@ -91,7 +91,9 @@ class Storage:
         return ResultAppender(self.path(name))
 
     async def link(self, existing: str, new: str) -> None:
-        """A second name for the same bytes: publishing a result file keeps its part file until SQLite commits."""
+        """A second name for the same bytes (replacing whatever had that name): publishing a result file keeps its
+        part file until SQLite commits; a batch keeps its input whatever happens to the input's file object."""
+        self.path(new).unlink(missing_ok=True)
         await aiofiles.os.link(self.path(existing), self.path(new))
         _fsync_dir(self.root)
 

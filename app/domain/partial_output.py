@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 
 from app.core.storage import Storage
 from app.domain import batches
+from app.domain.lifecycle import TERMINAL
 from app.domain.results import part_names
 
 Kind = Literal["output", "error"]
@@ -32,7 +33,7 @@ async def open_partial(
         file_id = row.output_file_id if kind == "output" else row.error_file_id
         if file_id is not None:
             opened = await storage.open_prefix(file_id)
-        elif row.status in batches.TERMINAL:
+        elif row.status in TERMINAL:
             return _nothing(), 0
         else:
             part = part_names(row.id)[0 if kind == "output" else 1]

@@ -37,6 +37,17 @@ def index_name(batch_id: str) -> str:
     return f"{batch_id}.index"
 
 
+def input_name(batch_id: str) -> str:
+    """A batch's own name for its input's bytes, from validation until it ends: deleting the input's file object
+    (which clients may do at any time) leaves the batch its input."""
+    return f"{batch_id}.input"
+
+
+def run_files(batch_id: str) -> tuple[str, ...]:
+    """Everything an active batch keeps in Storage; all of it goes when the batch ends."""
+    return (*part_names(batch_id), index_name(batch_id), input_name(batch_id))
+
+
 def http_outcome(custom_id: str, status_code: int, body: dict) -> Outcome:
     return Outcome(custom_id=custom_id, status_code=status_code, body=body)
 

@@ -1,7 +1,8 @@
 """At start, before any work: remove what a crash left in the files directory that nothing refers to.
 
 Torn uploads (temporary files, or bytes whose row was never committed), result files linked by a batch that
-crashed before it committed them, part files and input indexes of batches that did commit. Nothing else is touched.
+crashed before it committed them, the part files, input links and indexes of batches that ended. Nothing else
+is touched.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from app.core.db import session_scope
 from app.core.storage import Storage
 from app.domain.lifecycle import ACTIVE
 from app.domain.models import BatchRow, FileRow
-from app.domain.results import index_name, part_names
+from app.domain.results import run_files
 
 log = logging.getLogger("vbatch.sweep")
 
@@ -24,7 +25,7 @@ def sweep_storage(*, db: Engine, storage: Storage) -> int:
     with session_scope(db) as session:
         keep = set(session.exec(select(FileRow.id)).all())
         for batch_id in session.exec(select(BatchRow.id).where(col(BatchRow.status).in_(ACTIVE))).all():
-            keep.update((*part_names(batch_id), index_name(batch_id)))
+            keep.update(run_files(batch_id))
     removed = 0
     for name in storage.names():
         if name not in keep:

@@ -25,9 +25,18 @@ from app.core.ids import new_id
 from app.core.storage import ResultAppender, Storage
 from app.domain import batches, files
 from app.domain.input_index import InputIndex
-from app.domain.lifecycle import BatchStatus
+from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.models import BatchRow, FileRow
-from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, Outcome, error_outcome, index_name, part_names
+from app.domain.results import (
+    CANCELLED_MESSAGE,
+    EXPIRED_MESSAGE,
+    Outcome,
+    error_outcome,
+    index_name,
+    input_name,
+    part_names,
+    run_files,
+)
 from app.domain.schemas import BatchError, RunStats
 from app.domain.validation import Limits, validate_file
 from app.engine.execution import run_lines
@@ -67,7 +76,11 @@ async def run_batch(ctx: Context, batch_id: str) -> None:
     if row.status == BatchStatus.VALIDATING:
         row, index = await _validate(ctx, row)
     if row.status in RUNNING and row.in_progress_at is not None:
-        index = index or await _load_index(ctx, row)
+        try:
+            index = index or await _load_index(ctx, row)
+        except FileNotFoundError:
+            _end_without_input(ctx, row)
+            return
         await BatchRun(ctx, row, index).run()
     elif row.status == BatchStatus.CANCELLING:
         batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
@@ -88,13 +101,11 @@ async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex |
     batch's results before the batch starts, so a restart never reads the input whole again."""
     try:
         source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
-        report = await asyncio.to_thread(validate_file, ctx.storage.path(source.id), _limits(ctx, row))
+        await ctx.storage.link(source.id, input_name(row.id))
+        report = await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        message = f"The input file {row.input_file_id} cannot be read."
-        return batches.fail(
-            db=ctx.db, batch_id=row.id, errors=[BatchError(code="file_not_found", message=message)]
-        ), None
+        return batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)]), None
     current = batches.get(db=ctx.db, batch_id=row.id, owner=None)
     if current.status != BatchStatus.VALIDATING:  # cancelled while we read
         return current, None
@@ -107,14 +118,30 @@ async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex |
     return batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model), report.index
 
 
+def _input_gone(row: BatchRow) -> BatchError:
+    return BatchError(code="file_not_found", message=f"The input file {row.input_file_id} cannot be read.")
+
+
 async def _load_index(ctx: Context, row: BatchRow) -> InputIndex:
-    """The index validation kept; a batch that began before vbatch kept one is indexed again, once."""
+    """The index validation kept. A batch that began before vbatch kept one (and its own name for the input) gets
+    both now, once; FileNotFoundError if its input is gone."""
     try:
         return InputIndex.from_bytes(await ctx.storage.read_bytes(index_name(row.id)))
     except FileNotFoundError:
-        report = await asyncio.to_thread(validate_file, ctx.storage.path(row.input_file_id), _limits(ctx, row))
+        if not ctx.storage.exists(input_name(row.id)):
+            await ctx.storage.link(row.input_file_id, input_name(row.id))
+        report = await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
         await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
         return report.index
+
+
+def _end_without_input(ctx: Context, row: BatchRow) -> None:
+    """A batch that began before vbatch kept its own input, whose input has since gone: it ends rather than wait."""
+    log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
+    if row.status == BatchStatus.CANCELLING:
+        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
+    else:
+        batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
 
 
 class BatchRun:
@@ -124,7 +151,7 @@ class BatchRun:
         self.index = index
         output_part, error_part = part_names(row.id)
         self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part))
-        self.input_path = ctx.storage.path(row.input_file_id)
+        self.input_path = ctx.storage.path(input_name(row.id))
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=row.total, wave=ctx.max_in_flight, generated_tokens=ctx.engine.generated_tokens)
         self.last_log = time.monotonic()
@@ -343,7 +370,11 @@ class BatchRun:
         """Result files get their rows in the transaction that ends the batch; the part files go only after it."""
         ctx = self.ctx
         if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
-            batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING)
+            try:
+                batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING)
+            except InvalidTransition:
+                # Cancelled after its last line had finished: it ends cancelled, with every result it has.
+                status = BatchStatus.CANCELLED
         await self.sink.close()
         output = await self._link(self.sink.output, "output")
         error = await self._link(self.sink.errors, "error")
@@ -358,7 +389,7 @@ class BatchRun:
             progress=self.sink.progress,
             timeline=self.meter.timeline,
         )
-        for name in (*part_names(self.row.id), index_name(self.row.id)):
+        for name in run_files(self.row.id):
             await ctx.storage.delete(name)
         progress = self.sink.progress
         log.info("batch %s: %s, %d completed, %d failed", self.row.id, status, progress.completed, progress.failed)

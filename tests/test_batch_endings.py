@@ -1,0 +1,67 @@
+"""Every batch ends: whatever happens to its input file object, and however late a cancel comes."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from fastapi.testclient import TestClient
+
+from app.domain import batches
+from app.domain.schemas import CreateBatchRequest
+from app.engine.service import EngineService
+from app.main import create_app
+from app.testing import FakeEngine
+from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+
+
+def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart(settings):
+    held = FakeEngine()
+    held.executor.answer_first = 2
+    with TestClient(create_app(settings, EngineService(held))) as client:
+        source = upload(client, jsonl([request_line(f"r{i}") for i in range(10)]))
+        batch = create_batch(client, source["id"])
+        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
+        assert client.delete(f"/v1/files/{source['id']}").status_code == 200
+    assert not (settings.files_dir / source["id"]).exists()
+    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+        done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+        outputs = read_jsonl(client, done["output_file_id"])
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 10
+    assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(10))
+    # Nothing of the batch's own stays behind once it has ended: only its output file is on disk.
+    assert sorted(p.name for p in settings.files_dir.iterdir()) == [done["output_file_id"]]
+
+
+def test_input_deleted_before_validation_fails_the_batch(client, engine_service, fake_engine):
+    source = upload(client, jsonl([request_line("a")]))
+    row = batches.create(
+        db=client.app.state.db,
+        request=CreateBatchRequest(
+            input_file_id=source["id"], endpoint="/v1/chat/completions", completion_window="24h"
+        ),
+        windows={"24h": 86400},
+        owner="",
+        max_active=0,
+    )
+    client.delete(f"/v1/files/{source['id']}")
+    engine_service.wake()
+    failed = wait_status(client, row.id, {"failed"})
+    assert failed["errors"]["data"][0]["code"] == "file_not_found"
+    assert fake_engine.executor.calls == 0
+
+
+def test_a_cancel_after_the_last_line_ends_the_batch_cancelled(client, settings, fake_engine):
+    settings.checkpoint_seconds = 60  # no tick notices the cancel first: the run ends with every line done
+    source = upload(client, jsonl([request_line(f"r{i}") for i in range(3)]))
+    batch = create_batch(client, source["id"])
+    db = client.app.state.db
+
+    def cancel_on_the_last(body: dict) -> None:
+        if body["messages"][0]["content"] == "hi r2":
+            batches.request_cancel(db=db, batch_id=batch["id"], owner="")
+
+    fake_engine.executor.before_answer = cancel_on_the_last
+    done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+    assert done["status"] == "cancelled" and done["cancelled_at"] is not None
+    assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
+    assert len(read_jsonl(client, done["output_file_id"])) == 3
