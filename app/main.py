@@ -17,7 +17,7 @@ from app.core.config import Settings
 from app.core.db import make_engine
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
-from app.core.storage import Storage
+from app.core.storage import Storage, keep_private
 from app.domain.sweep import sweep_storage
 from app.engine.service import EngineService
 
@@ -25,6 +25,7 @@ from app.engine.service import EngineService
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        keep_private(settings.data_dir)
         upgrade_to_head(settings.database_path)
         app.state.db = make_engine(settings.database_path)
         app.state.storage = Storage(settings.files_dir)

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from python_multipart.exceptions import MultipartParseError
-from python_multipart.multipart import MultipartParser, parse_options_header
+from python_multipart.exceptions import FormParserError, MultipartParseError
+from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
 
 from app.api.errors import APIError, bad_request
 from app.core.config import Settings
@@ -91,7 +91,10 @@ class _FormStream:
         self.request = request
         self._body = request.stream()
         self._events = _Events()
-        self._parser = MultipartParser(boundary, self._events.callbacks())  # type: ignore[arg-type]
+        try:
+            self._parser = MultipartParser(boundary, self._events.callbacks())  # type: ignore[arg-type]
+        except FormParserError:  # a boundary longer than multipart allows (70) and the parser takes (256)
+            raise bad_request("The multipart boundary is too long.", param="file") from None
         self._ended = False
 
     async def _next(self) -> tuple[str, object] | None:
@@ -103,6 +106,9 @@ class _FormStream:
             except StopAsyncIteration:
                 self._ended = True
                 self._parser.finalize()
+                if self._parser.state != MultipartState.END:
+                    # A body cut short (a client or proxy that gave up): what arrived is not the file that was sent.
+                    raise bad_request("The multipart body ended before its closing boundary.", param="file") from None
                 continue
             try:
                 self._parser.write(chunk)

@@ -115,6 +115,19 @@ class Storage:
         return self.path(name).exists()
 
 
+def keep_private(data_dir: Path) -> None:
+    """Uploads, results and the database (which holds key digests) are the service's alone: everything vbatch
+    creates from now on is owner-only, and what an older version left readable is made so."""
+    os.umask(0o077)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    for directory, subdirectories, names in os.walk(data_dir):
+        os.chmod(directory, 0o700)
+        for name in names:
+            path = os.path.join(directory, name)
+            if not os.path.islink(path):
+                os.chmod(path, os.stat(path).st_mode & 0o700)
+
+
 def _fsync_dir(directory: Path) -> None:
     """A rename or link is durable only once its directory is fsynced."""
     fd = os.open(directory, os.O_RDONLY)

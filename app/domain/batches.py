@@ -82,7 +82,26 @@ def to_wire(row: BatchRow) -> Batch:
     )
 
 
+def _check_text(request: CreateBatchRequest) -> None:
+    """JSON can carry lone surrogates (`"\\udc00"`, which `json.dumps` writes for a surrogate-escaped filename):
+    no UTF-8 text holds them, so such a value could be neither stored nor returned. It is refused here."""
+    fields = [("input_file_id", request.input_file_id), ("endpoint", request.endpoint)]
+    fields += [("completion_window", request.completion_window)]
+    for key, value in (request.metadata or {}).items():
+        fields += [("metadata", key), (f"metadata.{key}", value)]
+    for param, value in fields:
+        try:
+            value.encode()
+        except UnicodeEncodeError:
+            raise InvalidRequest(
+                f"'{param.encode(errors='replace').decode()}' holds text that is not valid Unicode (a lone surrogate).",
+                param=param.encode(errors="replace").decode(),
+                code="invalid_value",
+            ) from None
+
+
 def _check_request(request: CreateBatchRequest, windows: dict[str, int]) -> None:
+    _check_text(request)
     if request.endpoint not in ENDPOINTS:
         raise InvalidRequest(
             f"Invalid value for 'endpoint': '{request.endpoint}'. Supported: {', '.join(ENDPOINTS)}.",
