@@ -198,7 +198,7 @@ def test_every_response_has_request_id(client):
 
 
 def test_models_and_health(client):
-    assert client.get("/health").json() == {"status": "ok", "model": "fake-model"}
+    assert client.get("/health").json() == {"status": "ok", "model": "fake-model", "problems": []}
     models = client.get("/v1/models").json()
     assert models["object"] == "list" and [m["id"] for m in models["data"]] == ["fake-model"]
     assert models["data"][0]["object"] == "model"

@@ -19,9 +19,7 @@ def multipart(parts: list[tuple[str, str | None, bytes]], *, close: bool = True,
 
 
 def post_form(client, body: bytes, boundary: str = BOUNDARY):
-    return client.post(
-        "/v1/files", content=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"}
-    )
+    return client.post("/v1/files", content=body, headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
 
 
 def test_a_multipart_body_cut_short_is_400_and_stores_nothing(client, settings):

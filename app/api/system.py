@@ -3,7 +3,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from app.api.deps import EngineDep, OwnerDep
+from app.api.deps import EngineDep, OwnerDep, SettingsDep, StorageDep
+from app.core.db import write_problem
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
 
@@ -29,6 +30,22 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
 
 
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
-def health(engine: EngineDep) -> JSONResponse:
-    status = HealthStatus(status=engine.state, model=engine.model_name)
-    return JSONResponse(status.model_dump(), status_code=200 if engine.state == "ok" else 503)
+def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
+    problems = [
+        problem
+        for problem in (
+            write_problem(settings.database_path),
+            _disk_problem(storage.free_bytes(), settings.min_free_disk_bytes),
+            engine.scheduler_error,
+        )
+        if problem is not None
+    ]
+    state = "unavailable" if engine.state == "ok" and problems else engine.state
+    status = HealthStatus(status=state, model=engine.model_name, problems=problems)
+    return JSONResponse(status.model_dump(), status_code=200 if state == "ok" else 503)
+
+
+def _disk_problem(free: int, minimum: int) -> str | None:
+    if free >= minimum:
+        return None
+    return f"the data directory has {free} bytes free, under the {minimum} needed (VBATCH_MIN_FREE_DISK_BYTES)"

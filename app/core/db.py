@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -49,3 +50,22 @@ def write_scope(engine: Engine) -> Iterator[Session]:
     """A read-modify-write session: BEGIN IMMEDIATE takes the write lock first, so two writers never interleave."""
     with Session(engine.execution_options(**{_IMMEDIATE: True}), expire_on_commit=False) as session:
         yield session
+
+
+def write_problem(path: Path) -> str | None:
+    """Why the database cannot take a write now (read-only, full disk, unreadable), or None. A writer holding the
+    lock is no problem: the check waits for nobody."""
+    try:
+        connection = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=0, isolation_level=None)
+    except sqlite3.Error as exc:
+        return f"the database cannot be opened ({exc})"
+    try:
+        connection.execute("BEGIN IMMEDIATE")
+        connection.execute("ROLLBACK")
+    except sqlite3.Error as exc:
+        if "locked" in str(exc) or "busy" in str(exc):
+            return None
+        return f"the database cannot be written ({exc})"
+    finally:
+        connection.close()
+    return None

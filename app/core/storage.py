@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -114,13 +115,16 @@ class Storage:
     def exists(self, name: str) -> bool:
         return self.path(name).exists()
 
+    def free_bytes(self) -> int:
+        return shutil.disk_usage(self.root).free
+
 
 def keep_private(data_dir: Path) -> None:
     """Uploads, results and the database (which holds key digests) are the service's alone: everything vbatch
     creates from now on is owner-only, and what an older version left readable is made so."""
     os.umask(0o077)
     data_dir.mkdir(parents=True, exist_ok=True)
-    for directory, subdirectories, names in os.walk(data_dir):
+    for directory, _, names in os.walk(data_dir):
         os.chmod(directory, 0o700)
         for name in names:
             path = os.path.join(directory, name)

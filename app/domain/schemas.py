@@ -167,5 +167,8 @@ class ErrorResponse(BaseModel):
 
 
 class HealthStatus(BaseModel):
-    status: Literal["ok", "starting", "restarting", "down"]
+    # starting/restarting/down: the engine; unavailable: the engine is up, but the database, the disk or the
+    # engine loop is not (`problems` says which).
+    status: Literal["ok", "starting", "restarting", "down", "unavailable"]
     model: str | None
+    problems: list[str] = []

@@ -50,6 +50,8 @@ class EngineService:
         self._stop_requested = threading.Event()
         self._running: dict[str, asyncio.Task] = {}
         self._ctx: Context | None = None
+        # Why the loop could not look for work at its last try (None: it could); /health reports it.
+        self.scheduler_error: str | None = None
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
 
@@ -136,16 +138,27 @@ class EngineService:
             await self._stack.aclose()
 
     async def _schedule(self, ctx: Context) -> None:
+        """Looks for work until the engine is down. A look that fails (the database unreadable for a moment, or for
+        good) is logged and tried again at the next poll, with /health saying so meanwhile; it never ends the loop."""
         assert self._wake is not None
         while self.state in ("ok", "restarting"):
             self._wake.clear()
-            if not self._running:
-                await self.live.check()
-            for row in batches.active(db=ctx.db):
-                if row.id not in self._running and row.id not in self._broken:
-                    self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))
+            try:
+                await self._look_for_work(ctx)
+                self.scheduler_error = None
+            except Exception as exc:
+                if self.scheduler_error is None:
+                    log.exception("the engine loop could not look for work; it tries again every %s s", POLL_SECONDS)
+                self.scheduler_error = f"the engine loop cannot read its batches ({type(exc).__name__})"
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=POLL_SECONDS)
+
+    async def _look_for_work(self, ctx: Context) -> None:
+        if not self._running:
+            await self.live.check()
+        for row in batches.active(db=ctx.db):
+            if row.id not in self._running and row.id not in self._broken:
+                self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))
 
     async def _run_one(self, ctx: Context, batch_id: str) -> None:
         try:

@@ -1,0 +1,41 @@
+"""/health tells the truth: about the engine, and about the database, the disk and the engine loop behind it."""
+
+from __future__ import annotations
+
+from app.core.db import write_problem
+from app.domain import batches
+from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
+
+
+def test_a_loop_that_cannot_read_its_batches_says_so_and_recovers(client, monkeypatch):
+    assert client.get("/health").json() == {"status": "ok", "model": "fake-model", "problems": []}
+    real_active = batches.active
+
+    def broken(*, db):
+        raise OSError("disk I/O error")
+
+    monkeypatch.setattr(batches, "active", broken)
+    source = upload(client, jsonl([request_line("a")]))
+    batch = create_batch(client, source["id"])
+    unavailable = wait_for(lambda: (r := client.get("/health")).status_code == 503 and r.json())
+    assert unavailable["status"] == "unavailable"
+    assert unavailable["problems"] == ["the engine loop cannot read its batches (OSError)"]
+    monkeypatch.setattr(batches, "active", real_active)
+    done = wait_status(client, batch["id"], {"completed"})  # the loop lived through it
+    assert done["request_counts"]["completed"] == 1
+    assert wait_for(lambda: client.get("/health").status_code == 200)
+
+
+def test_a_nearly_full_disk_makes_the_service_unavailable(client, settings):
+    settings.min_free_disk_bytes = 1 << 62
+    response = client.get("/health")
+    assert response.status_code == 503 and response.json()["status"] == "unavailable"
+    assert "VBATCH_MIN_FREE_DISK_BYTES" in response.json()["problems"][0]
+
+
+def test_a_database_that_cannot_be_written_is_reported(tmp_path):
+    garbage = tmp_path / "vbatch.db"
+    garbage.write_bytes(b"this is no database" * 100)
+    assert "cannot be" in (write_problem(garbage) or "")
+    assert write_problem(tmp_path / "missing.db") is not None
+    assert not (tmp_path / "missing.db").exists()
