@@ -12,6 +12,7 @@ from app.api import batches as batch_routes
 from app.api import files as file_routes
 from app.api import system as system_routes
 from app.api.errors import document_errors, install_error_handlers
+from app.api.guard import RequestGuard
 from app.core.auth import KeyRing
 from app.core.config import Settings
 from app.core.db import make_engine
@@ -45,6 +46,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     )
     app.state.settings = settings
     app.state.keys = KeyRing(settings.read_api_keys())
+    app.add_middleware(RequestGuard, keys=app.state.keys, max_json_bytes=settings.max_json_body_bytes)
     app.state.engine = engine
     install_error_handlers(app)
     document_errors(app)

@@ -113,3 +113,34 @@ def test_no_filename_becomes_a_path(settings, tmp_path, filename):
     assert all(Path(p).is_relative_to(settings.data_dir) for p in new), new
     assert stored(settings) == [created["id"]]
     assert created["bytes"] == 3
+
+
+def raw_request(path: str, headers: str) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: test\r\n{headers}\r\n".encode()
+
+
+def test_a_stranger_is_refused_before_the_body_is_read(tmp_path):
+    keyed = Settings(data_dir=tmp_path / "keyed", api_keys="sk-right")
+    with live_app(keyed) as address, socket.create_connection(address) as sock:
+        # 200 MB announced, none of it sent: the answer cannot wait for the body.
+        sock.sendall(raw_request("/v1/batches", "Content-Type: application/json\r\nContent-Length: 200000000\r\n"))
+        assert read_status(sock) == 401
+    with live_app(keyed) as address, socket.create_connection(address) as sock:
+        sock.sendall(raw_request("/v1/files", f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+                                 "Authorization: Bearer sk-wrong\r\nContent-Length: 200000000\r\n"))  # fmt: skip
+        assert read_status(sock) == 401
+
+
+def test_json_bodies_are_bounded_declared_or_streamed(settings):
+    over = settings.max_json_body_bytes + 1
+    with live_app(settings) as address, socket.create_connection(address) as sock:
+        sock.sendall(raw_request("/v1/batches", f"Content-Type: application/json\r\nContent-Length: {over}\r\n"))
+        assert read_status(sock) == 413
+    with live_app(settings) as (host, port):
+        chunks = (b'{"metadata": {"k": "' + b"x" * 8192 for _ in range(over // 8192 + 2))
+        response = httpx.post(
+            f"http://{host}:{port}/v1/batches", content=chunks, headers={"Content-Type": "application/json"}
+        )
+        assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+        small = httpx.post(f"http://{host}:{port}/v1/batches", json={"input_file_id": "file-x"})
+        assert small.status_code == 400 and small.json()["error"]["param"] == "endpoint"

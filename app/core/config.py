@@ -49,6 +49,8 @@ class Settings(BaseSettings):
     checkpoint_seconds: float = 0.5
     # Times a line may kill the engine while running alone before it goes to the error file.
     engine_deaths_per_line: int = 2
+    # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.
+    max_json_body_bytes: int = 256 * 1024
     # Below this much free space in the data directory, /health says the service is unavailable.
     min_free_disk_bytes: int = 64 * 1024 * 1024
 
