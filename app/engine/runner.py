@@ -40,6 +40,7 @@ from app.domain.results import (
 from app.domain.schemas import BatchError, RunStats
 from app.domain.validation import Limits, validate_file
 from app.engine.execution import run_lines
+from app.engine.feed import Changes, FairFeed, Turn
 from app.engine.live import LiveEngine
 from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, plan
@@ -64,8 +65,10 @@ class Context:
     served_models: list[str]
     max_in_flight: int
     slots: asyncio.Semaphore
-    # Held while a batch submits its lines: batches start in creation order and overlap only at the tail.
-    feed_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
+    feed: FairFeed = field(default_factory=FairFeed)
+    # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
+    changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
     runs: dict[str, BatchRun] = field(default_factory=dict)
 
@@ -173,7 +176,6 @@ class BatchRun:
             error_bytes=self.row.error_bytes_done,
             position_of=self.index.position_of,
         )
-        self.meter.begin(done_before=len(self.sink.done))
         if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
             await self._finish(BatchStatus.COMPLETED)
             return
@@ -210,9 +212,13 @@ class BatchRun:
 
     async def _execute(self) -> BatchStatus | None:
         """None when every line finished; else the terminal status that stopped it."""
+        turn = await self._wait_for_turn()
+        if isinstance(turn, BatchStatus):
+            return turn
+        self.meter.begin(done_before=len(self.sink.done))  # its numbers count from its turn, not its wait
         stop = asyncio.get_running_loop().create_future()
         ticker = asyncio.create_task(self._tick(stop))
-        work = asyncio.create_task(self._work())
+        work = asyncio.create_task(self._work(turn))
         try:
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
             if stop.done():
@@ -227,35 +233,58 @@ class BatchRun:
                 task.cancel()
             await asyncio.gather(ticker, work, return_exceptions=True)
 
-    async def _work(self) -> None:
+    async def _wait_for_turn(self) -> Turn | BatchStatus:
+        """The turn to feed the engine; or, if the batch is cancelled or expires first, the status it ends with.
+        Waiting costs nothing: the batch looks at its status only when the service says something changed."""
+        ctx = self.ctx
+        turn = asyncio.ensure_future(
+            ctx.feed.turn(owner=self.row.owner, created_ns=self.row.created_ns, batch_id=self.row.id)
+        )
+        try:
+            while True:
+                changed = asyncio.ensure_future(ctx.changes.wait())
+                left = None if self.row.expires_at is None else max(0.0, self.row.expires_at - time.time())
+                await asyncio.wait([turn, changed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+                if turn.done():
+                    return turn.result()
+                if self._expired():
+                    return BatchStatus.EXPIRED
+                if batches.get(db=ctx.db, batch_id=self.row.id, owner=None).status == BatchStatus.CANCELLING:
+                    return BatchStatus.CANCELLED
+        finally:
+            if not turn.done():
+                turn.cancel()
+                await asyncio.gather(turn, return_exceptions=True)
+
+    async def _work(self, first_turn: Turn) -> None:
         """Every pending line to the engine; after an engine death, the lines it took with it first."""
         groups = await asyncio.to_thread(plan, self.index)
         self.meter.mark("planned")
         suspects: list[int] = []
+        turn: Turn | None = first_turn
         while True:
             if suspects:
                 await self._settle(suspects)
             generation = self.ctx.engine.generation
             in_flight: set[int] = set()
             try:
-                await self._feed(groups, in_flight)
+                await self._feed(groups, in_flight, turn)
                 return
             except EngineDead:
+                turn = None  # passed on: the re-run waits for a turn of its own
                 suspects = sorted(in_flight - self.sink.done)
                 log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
                 await self.ctx.engine.recover(generation)
 
-    async def _feed(self, groups: list[Group], in_flight: set[int]) -> None:
+    async def _feed(self, groups: list[Group], in_flight: set[int], turn: Turn | None) -> None:
         ctx = self.ctx
-        await ctx.feed_lock.acquire()
-        released = False
+        if turn is None:
+            turn = await ctx.feed.turn(owner=self.row.owner, created_ns=self.row.created_ns, batch_id=self.row.id)
 
         def release() -> None:
-            nonlocal released
-            if not released:
-                released = True
-                self.meter.mark("all_sent")
-                ctx.feed_lock.release()
+            self.meter.mark("all_sent")
+            turn.release()
 
         try:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)

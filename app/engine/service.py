@@ -152,6 +152,8 @@ class EngineService:
                 self.scheduler_error = f"the engine loop cannot read its batches ({type(exc).__name__})"
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=POLL_SECONDS)
+            if self._wake.is_set():  # a batch was created or cancelled: batches waiting for a turn look again
+                ctx.changes.notify()
 
     async def _look_for_work(self, ctx: Context) -> None:
         if not self._running:
