@@ -49,6 +49,10 @@ class Progress:
     reasoning_tokens: int = 0
 
 
+def _counts(row: BatchRow) -> RequestCounts:
+    return RequestCounts(total=row.total, completed=row.completed, failed=row.failed)
+
+
 def to_wire(row: BatchRow) -> Batch:
     errors = BatchErrors.model_validate(json.loads(row.errors_json)) if row.errors_json else None
     return Batch(
@@ -70,7 +74,7 @@ def to_wire(row: BatchRow) -> Batch:
         expired_at=row.expired_at,
         cancelling_at=row.cancelling_at,
         cancelled_at=row.cancelled_at,
-        request_counts=RequestCounts(total=row.total, completed=row.completed, failed=row.failed),
+        request_counts=_counts(row),
         usage=BatchUsage(
             input_tokens=row.input_tokens,
             input_tokens_details=InputTokensDetails(cached_tokens=row.cached_tokens),
@@ -197,7 +201,7 @@ def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
     return BatchProgress(
         id=row.id,
         status=BatchStatus(row.status),
-        request_counts=RequestCounts(total=row.total, completed=row.completed, failed=row.failed),
+        request_counts=_counts(row),
         requests_per_second=live.requests_per_second if live else None,
         output_tokens_per_second=live.output_tokens_per_second if live else None,
         eta_seconds=live.eta_seconds if live else None,
