@@ -88,7 +88,7 @@ def test_progress_is_live_while_running_and_keeps_the_timeline_after(client, fak
 
     running = wait_for(live)
     assert running["object"] == "batch.progress" and running["status"] == "in_progress"
-    # Three answers out of a wave of eight in flight: the rate cannot tell the rest yet.
+    # Three answers out of a wave of four (the fake engine's max_num_seqs): the rate cannot tell the rest yet.
     assert running["eta_seconds"] is None
     assert running["output_tokens_per_second"] > 0 and running["requests_per_second"] > 0
     assert {"planned", "first_result"} <= set(running["timeline"])

@@ -16,8 +16,8 @@ class RunMeter:
         self.total = total
         # Lines already done when this run began (a resumed batch); None until it has begun.
         self.done_before: int | None = None
-        # Until a whole wave (the lines in flight at once) has finished, the rate says more about the wave's start
-        # than about the batch: no ETA before then.
+        # Until a whole wave (the requests the engine runs at once) has finished, the rate says more about the
+        # wave's start than about the batch: no ETA before then.
         self.wave = max(1, min(wave, total))
         self._generated_tokens = generated_tokens
         self.started = time.monotonic()

@@ -64,6 +64,8 @@ class Context:
     engine: LiveEngine
     served_models: list[str]
     max_in_flight: int
+    # Requests the engine runs at once (its max_num_seqs): a wave, for the ETA.
+    wave: int
     slots: asyncio.Semaphore
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
     feed: FairFeed = field(default_factory=FairFeed)
@@ -156,7 +158,7 @@ class BatchRun:
         self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part))
         self.input_path = ctx.storage.path(input_name(row.id))
         self.deaths_alone: dict[int, int] = {}
-        self.meter = RunMeter(total=row.total, wave=ctx.max_in_flight, generated_tokens=ctx.engine.generated_tokens)
+        self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
         self.last_log = time.monotonic()
 
     def stats(self) -> RunStats | None:

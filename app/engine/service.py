@@ -118,6 +118,7 @@ class EngineService:
             engine=self.live,
             served_models=self.served_models,
             max_in_flight=max_in_flight,
+            wave=serving.max_num_seqs,
             slots=asyncio.Semaphore(max_in_flight),
         )
         self._ctx = ctx
