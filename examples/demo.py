@@ -63,7 +63,7 @@ def main() -> None:
             f"\n{batch.request_counts.completed} answers, {usage.output_tokens} output tokens in {elapsed:.1f} s "
             f"({usage.output_tokens / elapsed:.1f} output tokens/s, created to completed)"
         )
-        print(f"results: {results_path} (output file {batch.output_file_id}, {server.base_url}/v1/files/...)")
+        print(f"results: {results_path} (also {server.base_url}/v1/files/{batch.output_file_id}/content while it runs)")
         print(f"service log: {log_path}")
     finally:
         server.stop()
