@@ -38,7 +38,7 @@ from app.domain.results import (
     run_files,
 )
 from app.domain.schemas import BatchError, RunStats
-from app.domain.validation import Limits, validate_file
+from app.domain.validation import Limits, Report, validate_file
 from app.engine.execution import run_lines
 from app.engine.feed import Changes, FairFeed, Turn
 from app.engine.live import LiveEngine
@@ -106,8 +106,7 @@ async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex |
     batch's results before the batch starts, so a restart never reads the input whole again."""
     try:
         source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
-        await ctx.storage.link(source.id, input_name(row.id))
-        report = await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
+        report = await _read_input(ctx, row, source.id)
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
         return batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)]), None
@@ -133,11 +132,17 @@ async def _load_index(ctx: Context, row: BatchRow) -> InputIndex:
     try:
         return InputIndex.from_bytes(await ctx.storage.read_bytes(index_name(row.id)))
     except FileNotFoundError:
-        if not ctx.storage.exists(input_name(row.id)):
-            await ctx.storage.link(row.input_file_id, input_name(row.id))
-        report = await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
+        linked = ctx.storage.exists(input_name(row.id))
+        report = await _read_input(ctx, row, source_id=None if linked else row.input_file_id)
         await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
         return report.index
+
+
+async def _read_input(ctx: Context, row: BatchRow, source_id: str | None) -> Report:
+    """Validate (and index) the batch's own name for its input, first linking it to `source_id` if given."""
+    if source_id is not None:
+        await ctx.storage.link(source_id, input_name(row.id))
+    return await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
 
 
 def _end_without_input(ctx: Context, row: BatchRow) -> None:
