@@ -65,3 +65,21 @@ def test_a_cancel_after_the_last_line_ends_the_batch_cancelled(client, settings,
     assert done["status"] == "cancelled" and done["cancelled_at"] is not None
     assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert len(read_jsonl(client, done["output_file_id"])) == 3
+
+
+def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
+    held = FakeEngine()
+    held.executor.answer_first = 2
+    with TestClient(create_app(settings, EngineService(held))) as client:
+        source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)]))
+        batch = create_batch(client, source["id"])
+        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
+    # As a batch started by a vbatch that kept neither an index nor its own name for the input left it.
+    for suffix in (".index", ".input"):
+        (settings.files_dir / f"{batch['id']}{suffix}").unlink()
+    resumed = FakeEngine()
+    with TestClient(create_app(settings, EngineService(resumed))) as client:
+        done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+        outputs = read_jsonl(client, done["output_file_id"])
+    assert done["status"] == "completed" and resumed.executor.calls == 4
+    assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(6))
