@@ -16,6 +16,7 @@ from app.api.guard import RequestGuard
 from app.core.auth import KeyRing
 from app.core.config import Settings
 from app.core.db import make_engine
+from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
@@ -29,7 +30,11 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         keep_private(settings.data_dir)
         upgrade_to_head(settings.database_path)
         app.state.db = make_engine(settings.database_path)
-        app.state.storage = Storage(settings.files_dir)
+        reserve = DiskReserve(
+            settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
+        )
+        app.state.storage = Storage(settings.files_dir, reserve)
+        reserve.keep()
         sweep_storage(db=app.state.db, storage=app.state.storage)
         await engine.start(db=app.state.db, storage=app.state.storage, settings=settings)
         try:

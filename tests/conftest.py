@@ -17,7 +17,10 @@ from app.testing import FakeEngine
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(data_dir=tmp_path / "data", completion_windows="24h,2s", checkpoint_seconds=0.05)
+    # A small disk reserve: every test starts an app, and each would write the default 32 MiB.
+    return Settings(
+        data_dir=tmp_path / "data", completion_windows="24h,2s", checkpoint_seconds=0.05, disk_reserve_bytes=65536
+    )
 
 
 @pytest.fixture

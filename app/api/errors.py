@@ -8,8 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.core.disk import DiskFull, is_disk_full
 from app.domain.errors import DomainError, InvalidRequest, NotFound, TooManyActive, Unauthenticated
 
 log = logging.getLogger("vbatch.api")
@@ -123,6 +125,18 @@ def install_error_handlers(app: FastAPI) -> None:
             headers["Allow"] = _allowed_methods(app, request.url.path)
         return _respond(APIError(exc.status_code, message, type=kind, headers=headers))
 
+    @app.exception_handler(DiskFull)
+    async def _disk_full(_: Request, exc: DiskFull) -> JSONResponse:
+        return _respond(_INSUFFICIENT_STORAGE)
+
+    @app.exception_handler(OperationalError)
+    async def _database_error(request: Request, exc: OperationalError) -> JSONResponse:
+        if not is_disk_full(exc):
+            return await _unexpected(request, exc)
+        # Room for the database to take this request when it is asked again (the SDKs retry a 5xx).
+        request.app.state.storage.reserve.release()
+        return _respond(_INSUFFICIENT_STORAGE)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
@@ -151,6 +165,13 @@ def document_errors(app: FastAPI) -> None:
 
     app.openapi = openapi  # type: ignore[method-assign]
 
+
+_INSUFFICIENT_STORAGE = APIError(
+    507,
+    "The server is out of disk space; nothing was changed or stored. Try again later.",
+    type="server_error",
+    code="insufficient_storage",
+)
 
 _ERROR_RESPONSE = {
     "description": "Bad Request",

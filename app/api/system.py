@@ -36,6 +36,7 @@ def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSO
         for problem in (
             write_problem(settings.database_path),
             _disk_problem(storage.free_bytes(), settings.min_free_disk_bytes),
+            None if storage.reserve.held else "the disk filled up: its reserve is released until there is room again",
             engine.scheduler_error,
         )
         if problem is not None

@@ -230,7 +230,7 @@ async def _store(
             yield chunk
 
     try:
-        size = await storage.save_stream(file_id, keeping_head(), max_bytes=limit)
+        size = await storage.save_stream(file_id, keeping_head(), max_bytes=limit, keep_free=True)
     except UploadTooLarge:
         raise _too_large(limit) from None
     return _Stored(size=size, filename=filename, head=bytes(head))

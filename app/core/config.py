@@ -51,8 +51,15 @@ class Settings(BaseSettings):
     engine_deaths_per_line: int = 2
     # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.
     max_json_body_bytes: int = 256 * 1024
-    # Below this much free space in the data directory, /health says the service is unavailable.
+    # Below this much free space in the data directory, /health says the service is unavailable and uploads are
+    # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024
+    # Held in a file while the disk has room, released when it fills, so the database can still end batches and
+    # take cancels and deletes (`app/core/disk.py`). 0 keeps none.
+    disk_reserve_bytes: int = 32 * 1024 * 1024
+    # A batch still active this long after its completion window ended (its run died, hangs, or the engine is
+    # down) is ended by the watchdog with the results its last checkpoint holds.
+    watchdog_grace_seconds: float = 300.0
 
     @field_validator("completion_windows")
     @classmethod

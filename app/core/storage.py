@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -12,6 +13,8 @@ import aiofiles
 import aiofiles.os
 from aiofiles.threadpool.binary import AsyncBufferedIOBase
 
+from app.core.disk import DiskFull, DiskReserve, is_disk_full
+
 CHUNK_BYTES = 1 << 20
 
 
@@ -20,17 +23,23 @@ class UploadTooLarge(Exception):
 
 
 class Storage:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, reserve: DiskReserve | None = None) -> None:
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self.reserve = reserve or DiskReserve(root / ".reserve", size=0, keep_free=0)
 
     def path(self, name: str) -> Path:
         if "/" in name or name.startswith("."):
             raise ValueError(f"not a storage name: {name!r}")
         return self.root / name
 
-    async def save_stream(self, name: str, chunks: AsyncIterator[bytes], *, max_bytes: int) -> int:
-        """Write to a temporary file, fsync, then rename: a crash never leaves a half file under `name`."""
+    async def save_stream(
+        self, name: str, chunks: AsyncIterator[bytes], *, max_bytes: int, keep_free: bool = False
+    ) -> int:
+        """Write to a temporary file, fsync, then rename: a crash never leaves a half file under `name`.
+
+        DiskFull if the disk fills, or, with `keep_free`, if there is not room for it (`check_room`): the room
+        left is for the results of running batches."""
         final = self.path(name)
         partial = final.with_name(f".{name}.upload")
         size = 0
@@ -40,13 +49,18 @@ class Storage:
                     size += len(chunk)
                     if size > max_bytes:
                         raise UploadTooLarge(size)
+                    if keep_free:
+                        self.check_room(len(chunk))
                     await out.write(chunk)
                 await out.flush()
                 os.fsync(out.fileno())
             await aiofiles.os.replace(partial, final)
             _fsync_dir(self.root)
-        except BaseException:
+        except BaseException as exc:
             partial.unlink(missing_ok=True)
+            if isinstance(exc, OSError) and is_disk_full(exc):
+                self.reserve.release()
+                raise DiskFull(str(exc)) from exc
             raise
         return size
 
@@ -118,6 +132,12 @@ class Storage:
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.root).free
 
+    def check_room(self, size: int = 0) -> None:
+        """DiskFull while the disk is full (its reserve released: what is left is the database's), or if `size`
+        more bytes would leave less free than the reserve keeps."""
+        if not self.reserve.held or self.free_bytes() - size < self.reserve.keep_free:
+            raise DiskFull(f"{self.free_bytes()} bytes free")
+
 
 def keep_private(data_dir: Path) -> None:
     """Uploads, results and the database (which holds key digests) are the service's alone: everything vbatch
@@ -185,3 +205,11 @@ class ResultAppender:
             await self.flush(durable=True)
             await self._file.close()
             self._file = None
+
+    async def abandon(self) -> None:
+        """Close without writing what is buffered; a failing flush still closes the file."""
+        self._buffer.clear()
+        if self._file is not None:
+            file, self._file = self._file, None
+            with contextlib.suppress(OSError):
+                await file.close()

@@ -246,9 +246,11 @@ def publish(
     error: FileRow | None,
     progress: Progress,
     timeline: dict[str, float],
+    errors: Sequence[BatchError] = (),
 ) -> BatchRow:
     """End a batch with its result files: their File rows are created in the transaction that ends it, so a batch
     is never final without its files, nor a result file listed for a batch that has not ended."""
+    extra = {"errors_json": BatchErrors(data=list(errors)).model_dump_json()} if errors else {}
     return _move(
         db=db,
         batch_id=batch_id,
@@ -257,6 +259,7 @@ def publish(
         output_file_id=output.id if output else None,
         error_file_id=error.id if error else None,
         timeline_json=json.dumps(timeline),
+        **extra,
         **vars(progress),
     )
 

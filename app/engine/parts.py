@@ -98,6 +98,11 @@ class ResultSink:
             await self.output.close()
             await self.errors.close()
 
+    async def abandon(self) -> None:
+        """Close both files dropping what was not written (a full disk): the checkpoint is what counts."""
+        await self.output.abandon()
+        await self.errors.abandon()
+
 
 def cut_back(path: Path, length: int | None) -> None:
     """Cut a result file back to its checkpointed length; with none, or if it is somehow shorter than its

@@ -21,24 +21,16 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock, failpoints
 from app.core.config import Settings
-from app.core.ids import new_id
-from app.core.storage import ResultAppender, Storage
+from app.core.disk import is_disk_full
+from app.core.storage import Storage
 from app.domain import batches, files
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import BatchStatus, InvalidTransition
-from app.domain.models import BatchRow, FileRow
-from app.domain.results import (
-    CANCELLED_MESSAGE,
-    EXPIRED_MESSAGE,
-    Outcome,
-    error_outcome,
-    index_name,
-    input_name,
-    part_names,
-    run_files,
-)
+from app.domain.models import BatchRow
+from app.domain.results import Outcome, error_outcome, index_name, input_name, part_names
 from app.domain.schemas import BatchError, RunStats
 from app.domain.validation import Limits, Report, validate_file
+from app.engine.ending import DISK_FULL, end_from_checkpoint, publish, record_unfinished
 from app.engine.execution import run_lines
 from app.engine.feed import Changes, FairFeed, Turn
 from app.engine.live import LiveEngine
@@ -76,6 +68,25 @@ class Context:
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
+    """Run the batch to its end; a full disk ends it at once, failed, with what its last checkpoint holds."""
+    try:
+        await _run_batch(ctx, batch_id)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        ctx.storage.reserve.release()
+        log.error("batch %s: the disk is full; the batch fails with the results it has", batch_id)
+        await end_from_checkpoint(
+            db=ctx.db,
+            storage=ctx.storage,
+            settings=ctx.settings,
+            batch_id=batch_id,
+            status=BatchStatus.FAILED,
+            errors=[DISK_FULL],
+        )
+
+
+async def _run_batch(ctx: Context, batch_id: str) -> None:
     row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
     index: InputIndex | None = None
     if row.status == BatchStatus.VALIDATING:
@@ -176,6 +187,7 @@ class BatchRun:
             await self._run()
         finally:
             self.ctx.runs.pop(self.row.id, None)
+            await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
     async def _run(self) -> None:
         await self.sink.open(
@@ -203,6 +215,8 @@ class BatchRun:
             await self._finish(stop_status)
 
     async def _checkpoint(self) -> None:
+        # With the disk full, results stop here: the room left is for the database to end the batch.
+        self.ctx.storage.check_room()
         await self.sink.checkpoint(self._save)
 
     def _save(self, checkpoint: Checkpoint) -> None:
@@ -392,18 +406,10 @@ class BatchRun:
         )
 
     async def _fill_unfinished(self, status: BatchStatus) -> None:
-        """The lines that never ran get their error line, by custom_id from the index: the input is not read."""
-        if status == BatchStatus.CANCELLED:
-            code, message = "batch_cancelled", CANCELLED_MESSAGE
-        else:
-            code, message = "batch_expired", EXPIRED_MESSAGE
-        for position, custom_id in enumerate(self.index.custom_ids):
-            if position not in self.sink.done:
-                self.sink.record(position, error_outcome(custom_id, code, message))
+        record_unfinished(self.sink, self.index, status)
         await self._checkpoint()
 
     async def _finish(self, status: BatchStatus) -> None:
-        """Result files get their rows in the transaction that ends the batch; the part files go only after it."""
         ctx = self.ctx
         if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
             try:
@@ -411,48 +417,21 @@ class BatchRun:
             except InvalidTransition:
                 # Cancelled after its last line had finished: it ends cancelled, with every result it has.
                 status = BatchStatus.CANCELLED
-        await self.sink.close()
-        output = await self._link(self.sink.output, "output")
-        error = await self._link(self.sink.errors, "error")
-        failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
         self.meter.mark("published")
-        batches.publish(
+        await publish(
             db=ctx.db,
-            batch_id=self.row.id,
-            to=status,
-            output=output,
-            error=error,
-            progress=self.sink.progress,
+            storage=ctx.storage,
+            settings=ctx.settings,
+            row=self.row,
+            sink=self.sink,
+            status=status,
             timeline=self.meter.timeline,
         )
-        for name in run_files(self.row.id):
-            await ctx.storage.delete(name)
-        progress = self.sink.progress
-        log.info("batch %s: %s, %d completed, %d failed", self.row.id, status, progress.completed, progress.failed)
         log.info(
             "batch %s: timeline %s",
             self.row.id,
             json.dumps(self.meter.timeline),
             extra={"batch_id": self.row.id, "timeline": self.meter.timeline},
-        )
-
-    async def _link(self, appender: ResultAppender, kind: str) -> FileRow | None:
-        if appender.lines == 0:
-            return None
-        file_id = new_id("file-")
-        await self.ctx.storage.link(appender.path.name, file_id)
-        created = clock.now()
-        ttl = self.row.output_expires_after_seconds or self.ctx.settings.output_file_ttl_seconds
-        return FileRow(
-            id=file_id,
-            created_ns=clock.now_ns(),
-            created_at=created,
-            expires_at=created + ttl,
-            bytes=await self.ctx.storage.size(file_id),
-            filename=f"{self.row.id}_{kind}.jsonl",
-            purpose=files.OUTPUT_PURPOSE,
-            batch_id=self.row.id,
-            owner=self.row.owner,
         )
 
 

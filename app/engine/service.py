@@ -22,7 +22,10 @@ from app.core import clock, logs
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import batches
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import BatchRow
 from app.domain.schemas import RunStats
+from app.engine.ending import end_from_checkpoint
 from app.engine.live import LiveEngine
 from app.engine.runner import Context, run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving
@@ -108,7 +111,17 @@ class EngineService:
         except Exception:
             log.exception("the engine failed to start")
             self.live.state = "down"
-            return
+        else:
+            await self._schedule(self._context(serving, db, storage, settings))
+        # No engine: nothing runs, but every batch still ends once its completion window (and the grace) has passed.
+        while True:
+            try:
+                await self._watch(db, storage, settings, batches.active(db=db))
+            except Exception:
+                log.exception("the watchdog could not look at the batches; it tries again in %s s", POLL_SECONDS)
+            await asyncio.sleep(POLL_SECONDS)
+
+    def _context(self, serving: Serving, db: Engine, storage: Storage, settings: Settings) -> Context:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         max_in_flight = settings.max_in_flight or 2 * serving.max_num_seqs
         ctx = Context(
@@ -124,7 +137,7 @@ class EngineService:
         self._ctx = ctx
         logs.ensure_enabled()
         log.info("engine ready: serving %s, up to %d requests in flight", self.served_models, max_in_flight)
-        await self._schedule(ctx)
+        return ctx
 
     async def _start_engine(self) -> Serving:
         assert self.factory is not None, "an engine service needs an engine factory to start an engine"
@@ -159,9 +172,36 @@ class EngineService:
     async def _look_for_work(self, ctx: Context) -> None:
         if not self._running:
             await self.live.check()
-        for row in batches.active(db=ctx.db):
+        rows = await self._watch(ctx.db, ctx.storage, ctx.settings, batches.active(db=ctx.db))
+        for row in rows:
             if row.id not in self._running and row.id not in self._broken:
                 self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))
+
+    async def _watch(self, db: Engine, storage: Storage, settings: Settings, rows: list[BatchRow]) -> list[BatchRow]:
+        """Keep the disk reserve, and end every batch still active `watchdog_grace_seconds` after its completion
+        window, stopping its run first if one hangs on: a run ends its own batch at expiry, so one still going
+        then is stuck. Returns the batches left active."""
+        storage.reserve.keep()
+        deadline = clock.now() - settings.watchdog_grace_seconds
+        overdue = [row for row in rows if row.expires_at is not None and row.expires_at < deadline]
+        for row in overdue:
+            task = self._running.pop(row.id, None)
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+            self._broken.discard(row.id)
+            log.error(
+                "batch %s: still active %s s after its window; the watchdog ends it",
+                row.id,
+                settings.watchdog_grace_seconds,
+            )
+            try:
+                await end_from_checkpoint(
+                    db=db, storage=storage, settings=settings, batch_id=row.id, status=BatchStatus.EXPIRED, errors=()
+                )
+            except Exception:
+                log.exception("batch %s: the watchdog could not end it; it tries again", row.id)
+        return [row for row in rows if row not in overdue]
 
     async def _run_one(self, ctx: Context, batch_id: str) -> None:
         try:

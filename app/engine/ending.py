@@ -1,0 +1,154 @@
+"""How a batch ends: its result parts become File objects in the transaction that makes it final.
+
+A run ends its batch itself (`publish`). When it cannot, because the disk filled up under it, or it raised
+something unexpected, or it outlived its completion window, `end_from_checkpoint` ends the batch with what its
+last checkpoint holds: those lines are in its output and error files, nothing is lost that was counted, and the
+batch stops holding a slot of its key's active-batch limit.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Sequence
+
+from sqlalchemy.engine import Engine
+
+from app.core import clock, failpoints
+from app.core.config import Settings
+from app.core.disk import is_disk_full
+from app.core.ids import new_id
+from app.core.storage import ResultAppender, Storage
+from app.domain import batches, files
+from app.domain.input_index import InputIndex
+from app.domain.lifecycle import TERMINAL, BatchStatus
+from app.domain.models import BatchRow, FileRow
+from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome, index_name, part_names, run_files
+from app.domain.schemas import BatchError
+from app.engine.parts import ResultSink
+
+log = logging.getLogger("vbatch.runner")
+
+DISK_FULL = BatchError(
+    code="insufficient_storage",
+    message="The server's disk filled up while this batch ran. The requests that finished before are in its output "
+    "and error files; submit the others again once there is space.",
+)
+
+
+async def publish(
+    *,
+    db: Engine,
+    storage: Storage,
+    settings: Settings,
+    row: BatchRow,
+    sink: ResultSink,
+    status: BatchStatus,
+    timeline: dict[str, float],
+    errors: Sequence[BatchError] = (),
+) -> None:
+    """Close the sink, give each non-empty part a File row, end the batch with them, then drop its run files."""
+    await sink.close()
+    output = await _result_file(storage, settings, row, sink.output, "output")
+    error = await _result_file(storage, settings, row, sink.errors, "error")
+    failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
+    batches.publish(
+        db=db,
+        batch_id=row.id,
+        to=status,
+        output=output,
+        error=error,
+        progress=sink.progress,
+        timeline=timeline,
+        errors=errors,
+    )
+    for name in run_files(row.id):
+        await storage.delete(name)
+    log.info("batch %s: %s, %d completed, %d failed", row.id, status, sink.progress.completed, sink.progress.failed)
+
+
+async def _result_file(
+    storage: Storage, settings: Settings, row: BatchRow, appender: ResultAppender, kind: str
+) -> FileRow | None:
+    if appender.lines == 0:
+        return None
+    file_id = new_id("file-")
+    await storage.link(appender.path.name, file_id)
+    created = clock.now()
+    ttl = row.output_expires_after_seconds or settings.output_file_ttl_seconds
+    return FileRow(
+        id=file_id,
+        created_ns=clock.now_ns(),
+        created_at=created,
+        expires_at=created + ttl,
+        bytes=await storage.size(file_id),
+        filename=f"{row.id}_{kind}.jsonl",
+        purpose=files.OUTPUT_PURPOSE,
+        batch_id=row.id,
+        owner=row.owner,
+    )
+
+
+async def end_from_checkpoint(
+    *,
+    db: Engine,
+    storage: Storage,
+    settings: Settings,
+    batch_id: str,
+    status: BatchStatus,
+    errors: Sequence[BatchError],
+) -> None:
+    """End the batch as `status` (cancelled if it was being cancelled) with the results its checkpoint counts.
+    Unless the disk is full, the lines that never ran get their error line, as at any cancel or expiry."""
+    row = batches.get(db=db, batch_id=batch_id, owner=None)
+    if row.status in TERMINAL:
+        return
+    if row.status == BatchStatus.CANCELLING:
+        status = BatchStatus.CANCELLED
+    elif row.status == BatchStatus.FINALIZING and status != BatchStatus.FAILED:
+        status = BatchStatus.COMPLETED  # every line had its result already
+    index = await _index(storage, batch_id)
+    sink = await _sink_at_checkpoint(storage, row, index)
+    if index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
+        record_unfinished(sink, index, status)
+        try:
+            storage.check_room()
+            await sink.checkpoint()
+        except Exception as exc:
+            if not is_disk_full(exc):
+                raise
+            storage.reserve.release()
+            await sink.abandon()
+            sink = await _sink_at_checkpoint(storage, row, index)  # back to what the checkpoint holds
+    log.error("batch %s: ended from its last checkpoint as %s", batch_id, status)
+    await publish(
+        db=db, storage=storage, settings=settings, row=row, sink=sink, status=status, timeline={}, errors=errors
+    )
+
+
+def record_unfinished(sink: ResultSink, index: InputIndex, status: BatchStatus) -> None:
+    """The lines that never ran get their error line, by custom_id from the index: the input is not read."""
+    if status == BatchStatus.CANCELLED:
+        code, message = "batch_cancelled", CANCELLED_MESSAGE
+    else:
+        code, message = "batch_expired", EXPIRED_MESSAGE
+    for position, custom_id in enumerate(index.custom_ids):
+        if position not in sink.done:
+            sink.record(position, error_outcome(custom_id, code, message))
+
+
+async def _index(storage: Storage, batch_id: str) -> InputIndex | None:
+    try:
+        return InputIndex.from_bytes(await storage.read_bytes(index_name(batch_id)))
+    except (OSError, ValueError):
+        return None
+
+
+async def _sink_at_checkpoint(storage: Storage, row: BatchRow, index: InputIndex | None) -> ResultSink:
+    """The batch's parts cut back to its last checkpoint and open again, their lines counted."""
+    output, error = (storage.path(name) for name in part_names(row.id))
+    sink = ResultSink(output, error)
+    # Without an index no line is filled in, so which position a custom_id had does not matter, only the counts.
+    position_of = index.position_of if index is not None else lambda: defaultdict(int)
+    await sink.open(output_bytes=row.output_bytes_done, error_bytes=row.error_bytes_done, position_of=position_of)
+    return sink
