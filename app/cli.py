@@ -55,6 +55,22 @@ def _prepare_engine_args(argv: list[str], args: argparse.Namespace, settings: Se
     _cpu_defaults(args)
 
 
+def server_options(settings: Settings) -> dict:
+    """uvicorn's options for `vbatch serve` (the connection guard's tests run a server with the same)."""
+    from app.api.connections import guarded_protocol
+
+    protocol = guarded_protocol(
+        header_timeout=settings.header_timeout_seconds, max_per_client=settings.max_connections_per_client
+    )
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": "info",
+        "timeout_graceful_shutdown": 5,
+        "http": protocol,
+    }
+
+
 def serve(argv: list[str]) -> None:
     import uvicorn
 
@@ -79,7 +95,7 @@ def serve(argv: list[str]) -> None:
     engine = EngineService(_engine_factory(args))
     app = create_app(settings, engine)
     log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info", timeout_graceful_shutdown=5)
+    uvicorn.run(app, **server_options(settings))
 
 
 def _engine_factory(args: argparse.Namespace) -> EngineFactory:

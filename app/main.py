@@ -51,7 +51,13 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     )
     app.state.settings = settings
     app.state.keys = KeyRing(settings.read_api_keys())
-    app.add_middleware(RequestGuard, keys=app.state.keys, max_json_bytes=settings.max_json_body_bytes)
+    app.add_middleware(
+        RequestGuard,
+        keys=app.state.keys,
+        max_json_bytes=settings.max_json_body_bytes,
+        body_grace=settings.header_timeout_seconds,
+        min_body_rate=settings.min_body_bytes_per_second,
+    )
     app.state.engine = engine
     install_error_handlers(app)
     document_errors(app)

@@ -51,6 +51,12 @@ class Settings(BaseSettings):
     engine_deaths_per_line: int = 2
     # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.
     max_json_body_bytes: int = 256 * 1024
+    # Slow clients: headers must be in this long after the connection (or the previous response), and a body must
+    # come at this many bytes a second on average after that long (408 otherwise).
+    header_timeout_seconds: float = 10.0
+    min_body_bytes_per_second: int = 16 * 1024
+    # Connections one address may hold at once (0: any number; behind a reverse proxy, which limits instead).
+    max_connections_per_client: int = 100
     # Below this much free space in the data directory, /health says the service is unavailable and uploads are
     # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024
