@@ -111,12 +111,23 @@ class FakeEngine:
 class VbatchServer:
     """`vbatch serve` in its own process group, so that stopping it stops the engine too."""
 
-    def __init__(self, data_dir: Path, port: int, engine_args: list[str], log_path: Path, env: dict | None = None):
+    def __init__(
+        self,
+        data_dir: Path,
+        port: int,
+        engine_args: list[str],
+        log_path: Path,
+        env: dict | None = None,
+        *,
+        fake_engine: bool = False,
+    ):
+        """`fake_engine`: the same app and server options over `FakeEngine` (`python -m app.testing`)."""
         self.base_url = f"http://127.0.0.1:{port}"
         self.data_dir = data_dir
         self.log_path = log_path
         self.log = log_path.open("wb")
-        command = [sys.executable, "-m", "app", "serve", "--data-dir", str(data_dir), "--port", str(port)]
+        entry = ["app.testing"] if fake_engine else ["app", "serve"]
+        command = [sys.executable, "-m", *entry, "--data-dir", str(data_dir), "--port", str(port)]
         self.started = time.monotonic()
         self.health_seen: set[str] = set()
         self.process = subprocess.Popen(
@@ -172,3 +183,27 @@ class VbatchServer:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
         self.log.close()
+
+
+def serve_fake_engine(argv: list[str] | None = None) -> None:
+    """`python -m app.testing --data-dir D --port P`: `vbatch serve`'s app and server options over the fake engine,
+    settings from `VBATCH_*` as usual: load tests of everything but the engine, in a process of its own."""
+    import argparse
+
+    import uvicorn
+
+    from app.cli import server_options
+    from app.core.config import Settings
+    from app.engine.service import EngineService
+    from app.main import create_app
+
+    parser = argparse.ArgumentParser(prog="python -m app.testing")
+    parser.add_argument("--data-dir", type=Path, required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    settings = Settings(data_dir=args.data_dir, port=args.port)
+    uvicorn.run(create_app(settings, EngineService(FakeEngine())), **server_options(settings))
+
+
+if __name__ == "__main__":
+    serve_fake_engine()
