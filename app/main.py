@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -22,9 +23,12 @@ from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
 from app.domain.sweep import sweep_storage
 from app.engine.service import EngineService
+from app.outbox import Outbox, endpoints_from
 
 
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
+    endpoints = endpoints_from(settings)  # a malformed webhook setting stops the start, not the first event
+
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         keep_private(settings.data_dir)
@@ -37,9 +41,14 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         reserve.keep()
         sweep_storage(db=app.state.db, storage=app.state.storage)
         await engine.start(db=app.state.db, storage=app.state.storage, settings=settings)
+        outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings)
+        # Without endpoints, events wait in the outbox (a webhook configured later gets the last 72 hours').
+        sender = asyncio.create_task(outbox.run() if endpoints.any else asyncio.Event().wait())
         try:
             yield
         finally:
+            sender.cancel()
+            await asyncio.gather(sender, return_exceptions=True)
             await engine.stop()
             app.state.db.dispose()
 

@@ -1,9 +1,13 @@
 from __future__ import annotations
 
 import json
+import socket
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
+import uvicorn
 from fastapi.testclient import TestClient
 
 from app.testing import FAKE_MODEL as MODEL
@@ -56,3 +60,25 @@ def read_jsonl(client: TestClient, file_id: str | None) -> list[dict]:
     response = client.get(f"/v1/files/{file_id}/content")
     assert response.status_code == 200
     return [json.loads(line) for line in response.content.splitlines()]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def serving(app, port: int, **options) -> Iterator[int]:
+    """A real uvicorn server for `app` on loopback, on a thread of its own, until the block ends."""
+    server = uvicorn.Server(
+        uvicorn.Config(app, **{"host": "127.0.0.1", "log_level": "warning", **options, "port": port})
+    )
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_for(lambda: server.started)
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

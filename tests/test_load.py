@@ -15,8 +15,7 @@ import httpx
 import psutil
 
 from app.testing import VbatchServer
-from tests.helpers import jsonl, request_line
-from tests.test_slow_clients import free_port
+from tests.helpers import free_port, jsonl, request_line
 
 UPLOADS = 50
 UPLOAD_BYTES = 5 * 1024 * 1024

@@ -4,43 +4,29 @@ from __future__ import annotations
 
 import json
 import socket
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-import uvicorn
 
 from app.cli import server_options
 from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import jsonl, request_line, wait_for
+from tests.helpers import free_port, jsonl, request_line, serving, wait_for
 
 BOUNDARY = "vbatchboundary"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @contextmanager
 def running(settings: Settings) -> Iterator[int]:
+    """`vbatch serve`'s app and server options, over the fake engine."""
     settings.port = free_port()
-    options = server_options(settings)
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, EngineService(FakeEngine())), **options))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    try:
-        wait_for(lambda: server.started)
-        yield settings.port
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
+    app = create_app(settings, EngineService(FakeEngine()))
+    with serving(app, **server_options(settings)) as port:
+        yield port
 
 
 @pytest.fixture

@@ -26,15 +26,26 @@ def digest(key: str) -> str:
 
 
 def read_keys(*, inline: str, path: Path | None) -> list[str]:
-    """Keys from `VBATCH_API_KEYS` (comma-separated) and `VBATCH_API_KEYS_FILE` (one a line, `#` comments)."""
+    """Keys from `VBATCH_API_KEYS` (comma-separated) and `VBATCH_API_KEYS_FILE` (one a line, `#` comments; a key
+    may be followed on its line by its own webhook URL and secret)."""
     keys = [k.strip() for k in inline.split(",")]
-    if path is not None:
-        try:
-            text = path.read_text()
-        except OSError as exc:
-            raise ValueError(f"VBATCH_API_KEYS_FILE {path} cannot be read: {exc.strerror}") from None
-        keys += [line.strip() for line in text.splitlines() if not line.lstrip().startswith("#")]
+    keys += [fields[0] for fields in key_file_lines(path)]
     return [k for k in keys if k]
+
+
+def key_file_lines(path: Path | None) -> list[list[str]]:
+    """The keys file's lines, split on whitespace, without comments and blank lines."""
+    if path is None:
+        return []
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ValueError(f"VBATCH_API_KEYS_FILE {path} cannot be read: {exc.strerror}") from None
+    return [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def owner_of(key: str) -> str:
+    return digest(key)[:_OWNER_HEX]
 
 
 class KeyRing:
@@ -63,7 +74,7 @@ class KeyRing:
             found |= hmac.compare_digest(known, presented)
         if not found:
             raise Unauthenticated(_WRONG, code="invalid_api_key")
-        return presented[:_OWNER_HEX]
+        return owner_of(key)
 
 
 def visible(row_owner: str, caller: str | None) -> bool:

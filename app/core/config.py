@@ -57,6 +57,16 @@ class Settings(BaseSettings):
     min_body_bytes_per_second: int = 16 * 1024
     # Connections one address may hold at once (0: any number; behind a reverse proxy, which limits instead).
     max_connections_per_client: int = 100
+    # Webhooks (OpenAI's batch events, Standard Webhooks signatures): the service's endpoint; keys may have their
+    # own in the keys file (`key url secret` on its line).
+    webhook_url: str | None = None
+    webhook_secret: str | None = None
+    # Private, loopback and link-local receivers are refused unless allowed (SSRF).
+    webhook_allow_private: bool = False
+    webhook_retry_base_seconds: float = 5.0
+    webhook_give_up_seconds: int = 72 * 3600
+    webhook_poll_seconds: float = 1.0
+    webhook_lease_seconds: float = 60.0
     # Below this much free space in the data directory, /health says the service is unavailable and uploads are
     # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024

@@ -13,7 +13,7 @@ from app.core import clock
 from app.core.auth import visible
 from app.core.db import session_scope, write_scope
 from app.core.ids import new_id
-from app.domain import files
+from app.domain import events, files
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
 from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus, InvalidTransition, check_move
 from app.domain.models import BatchRow, FileRow
@@ -274,10 +274,13 @@ def _move(
             raise NotFound("Batch", batch_id)
         check_move(row.status, to)
         row.status = to
-        row.stamp(to, clock.now())
+        now = clock.now()
+        row.stamp(to, now)
         for name, value in fields.items():
             setattr(row, name, value)
         session.add(row)
+        if to in TERMINAL:
+            session.add(events.for_batch(row, now=now))
         session.commit()
     return row
 

@@ -96,3 +96,21 @@ class DeletedObject(SQLModel, table=True):
     id: str = Field(primary_key=True)
     created_ns: int = Field(sa_column=Column(BigInteger, nullable=False))
     owner: str = Field(default="", index=True)
+
+
+class WebhookEvent(SQLModel, table=True):
+    """An outbox row: written in the transaction that ends its batch, sent (at least once) by `app.outbox`."""
+
+    __tablename__ = "webhook_events"
+
+    id: str = Field(primary_key=True)  # evt_...: also the webhook-id header, so receivers can drop repeats
+    type: str
+    batch_id: str = Field(index=True)
+    owner: str = ""
+    created_at: int
+    attempts: int = 0
+    # When it may be tried next (unix seconds); claiming an event moves it on by a lease, so one sender has it.
+    next_attempt_at: float = Field(index=True)
+    delivered_at: int | None = None
+    given_up_at: int | None = None
+    last_error: str | None = None
