@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from sqlalchemy.engine import Engine
 
 from app import __version__
 from app.api import batches as batch_routes
@@ -21,9 +23,13 @@ from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
+from app.domain import batches
 from app.domain.sweep import sweep_storage
 from app.engine.service import EngineService
+from app.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
+
+log = logging.getLogger("vbatch.api")
 
 
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
@@ -40,8 +46,8 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         app.state.storage = Storage(settings.files_dir, reserve)
         reserve.keep()
         sweep_storage(db=app.state.db, storage=app.state.storage)
-        await engine.start(db=app.state.db, storage=app.state.storage, settings=settings)
-        outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings)
+        await engine.start(db=app.state.db, storage=app.state.storage, settings=settings, metrics=app.state.metrics)
+        outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings, metrics=app.state.metrics)
         # Without endpoints, events wait in the outbox (a webhook configured later gets the last 72 hours').
         sender = asyncio.create_task(outbox.run() if endpoints.any else asyncio.Event().wait())
         try:
@@ -49,7 +55,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         finally:
             sender.cancel()
             await asyncio.gather(sender, return_exceptions=True)
-            await engine.stop()
+            await _drain(engine, settings.drain_seconds)
             app.state.db.dispose()
 
     app = FastAPI(
@@ -68,6 +74,8 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         min_body_rate=settings.min_body_bytes_per_second,
     )
     app.state.engine = engine
+    app.state.metrics = Metrics()
+    app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
     install_error_handlers(app)
     document_errors(app)
 
@@ -81,3 +89,22 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     app.include_router(batch_routes.router)
     app.include_router(system_routes.router)
     return app
+
+
+def metrics_state(db: Engine, engine: EngineService) -> State:
+    return State(
+        batches_by_status=batches.count_by_status(db=db),
+        lines_waiting=batches.lines_waiting(db=db),
+        running=engine.live_rates(),
+        engine_deaths=engine.live.deaths,
+        engine_up=engine.state == "ok",
+    )
+
+
+async def _drain(engine: EngineService, deadline: float) -> None:
+    """No batch starts from here; running ones stop with their results checkpointed. Past the deadline the process
+    exits anyway: what is checkpointed is safe, and the next start resumes from it."""
+    try:
+        await asyncio.wait_for(asyncio.shield(engine.stop()), timeout=deadline)
+    except TimeoutError:
+        log.error("the engine did not stop within VBATCH_DRAIN_SECONDS (%s s); exiting without it", deadline)

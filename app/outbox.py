@@ -22,6 +22,7 @@ from app.core.config import Settings
 from app.core.webhooks import Endpoint, Refused, check_destination, send
 from app.domain import events
 from app.domain.models import WebhookEvent
+from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.webhooks")
 
@@ -68,7 +69,8 @@ def backoff(attempts: int, base: float) -> float:
 
 
 class Outbox:
-    def __init__(self, *, db: Engine, endpoints: Endpoints, settings: Settings) -> None:
+    def __init__(self, *, db: Engine, endpoints: Endpoints, settings: Settings, metrics: Metrics) -> None:
+        self.metrics = metrics
         self.db = db
         self.endpoints = endpoints
         self.settings = settings
@@ -109,6 +111,8 @@ class Outbox:
         retry_at = None
         if error is not None and retry and now - event.created_at < self.settings.webhook_give_up_seconds:
             retry_at = now + backoff(attempts, self.settings.webhook_retry_base_seconds)
+        outcome = "delivered" if error is None else "failed" if retry_at is not None else "given_up"
+        self.metrics.webhook_deliveries.labels(outcome).inc()
         if error is not None and endpoint is not None:
             log.warning("webhook %s (%s, try %d) failed: %s", event.id, event.type, attempts, error)
         await asyncio.to_thread(

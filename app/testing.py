@@ -85,6 +85,12 @@ class FakeServing:
     def generated_tokens(self) -> int | None:
         return self.executor.generated
 
+    def metrics_text(self) -> bytes:
+        return (
+            b"# HELP fake_engine_requests Requests the fake engine answered.\n# TYPE fake_engine_requests counter\n"
+            + (f"fake_engine_requests_total {self.executor.generated}\n".encode())
+        )
+
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         return await self.executor.execute(endpoint, body)
 

@@ -83,3 +83,29 @@ def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
         outputs = read_jsonl(client, done["output_file_id"])
     assert done["status"] == "completed" and resumed.executor.calls == 4
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(6))
+
+
+def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation_found(
+    client, fake_engine, monkeypatch
+):
+    from app.engine import runner
+
+    db = client.app.state.db
+    validate = runner.validate_file
+
+    def cancelled_meanwhile(path, limits):
+        report = validate(path, limits)
+        batch_id = path.name.removesuffix(".input")
+        batches.request_cancel(db=db, batch_id=batch_id, owner="")
+        return report
+
+    monkeypatch.setattr(runner, "validate_file", cancelled_meanwhile)
+    good = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
+    bad = create_batch(client, upload(client, jsonl([request_line("b", model="no-such-model")]))["id"])
+    for batch in (good, bad):
+        ended = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+        assert ended["status"] == "cancelled" and ended["request_counts"]["total"] == 0
+    assert fake_engine.executor.calls == 0
+    assert sorted(p.name for p in client.app.state.storage.root.iterdir()) == sorted(
+        f["id"] for f in client.get("/v1/files").json()["data"]
+    )

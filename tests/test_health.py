@@ -39,3 +39,16 @@ def test_a_database_that_cannot_be_written_is_reported(tmp_path):
     assert "cannot be" in (write_problem(garbage) or "")
     assert write_problem(tmp_path / "missing.db") is not None
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_probes_ready_only_when_work_can_run_and_live_unless_a_restart_is_what_helps(client, settings, fake_engine):
+    assert client.get("/health/ready").status_code == 200 and client.get("/health/live").status_code == 200
+    settings.min_free_disk_bytes = 1 << 62  # a full disk: not ready, but a restart would not help
+    assert client.get("/health/ready").status_code == 503
+    assert client.get("/health/live").status_code == 200
+    settings.min_free_disk_bytes = 0
+    fake_engine.fail_restarts = True  # an engine that dies and cannot be started again
+    create_batch(client, upload(client, jsonl([request_line("poison", seed=1)]))["id"])
+    wait_for(lambda: client.get("/health/live").status_code == 503)
+    assert client.get("/health/live").json()["status"] == "down"
+    assert client.get("/health/ready").status_code == 503

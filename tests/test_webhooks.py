@@ -23,6 +23,7 @@ from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import VbatchServer
 from tests.helpers import create_batch, free_port, jsonl, request_line, serving, upload, wait_for, wait_status
+from tests.test_metrics import scrape
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 FINAL = {"completed", "failed", "cancelled", "expired"}
@@ -104,6 +105,9 @@ def test_a_receiver_that_fails_gets_the_event_again_until_it_takes_it_then_never
         batch = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
         wait_status(client, batch["id"], FINAL)
         wait_for(lambda: [row["delivered_at"] for row in outbox(settings)] != [None])
+        metrics = scrape(client)
+    assert metrics[("vbatch_webhook_deliveries_total", (("outcome", "failed"),))] == 3
+    assert metrics[("vbatch_webhook_deliveries_total", (("outcome", "delivered"),))] == 1
     [row] = outbox(settings)
     assert row["attempts"] == 4 and row["last_error"] is None
     assert len(receiver.received) == 4

@@ -1,12 +1,16 @@
 from __future__ import annotations
 
-from fastapi import APIRouter
-from fastapi.responses import JSONResponse
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.api.deps import EngineDep, OwnerDep, SettingsDep, StorageDep
+from app.core.config import Settings
 from app.core.db import write_problem
+from app.core.storage import Storage
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
+from app.engine.service import EngineService
 
 router = APIRouter(tags=["system"])
 
@@ -29,8 +33,44 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
     return Model(id=model, created=engine.started_at, owned_by="vbatch")
 
 
+@router.get(
+    "/metrics",
+    response_class=PlainTextResponse,
+    responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+        401: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
+    },
+)
+def metrics(request: Request, engine: EngineDep, _: OwnerDep) -> Response:
+    """Prometheus text format: the engine's `vllm:` series and vbatch's (`vbatch_*`). Needs a key when keys are
+    configured: it counts every tenant's work."""
+    text = request.app.state.metrics.exposition(engine.live.metrics_text())
+    return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
 def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
+    """Everything: the engine's state and every problem of the database, the disk and the engine loop."""
+    status = _health(engine, settings, storage)
+    return JSONResponse(status.model_dump(), status_code=200 if status.status == "ok" else 503)
+
+
+@router.get("/health/ready", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+def ready(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
+    """For a load balancer or Kubernetes' readinessProbe: 200 only while batches can be taken and run (a working
+    engine, a database that takes writes, room on the disk)."""
+    return health(engine, settings, storage)
+
+
+@router.get("/health/live", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
+def live(engine: EngineDep) -> JSONResponse:
+    """For Kubernetes' livenessProbe: 503 only when restarting the process is what helps, an engine that could not
+    be started again; a full disk or a locked database is not (a restart would not fix them)."""
+    status = HealthStatus(status=engine.state, model=engine.model_name)
+    return JSONResponse(status.model_dump(), status_code=503 if engine.state == "down" else 200)
+
+
+def _health(engine: EngineService, settings: Settings, storage: Storage) -> HealthStatus:
     problems = [
         problem
         for problem in (
@@ -42,8 +82,7 @@ def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSO
         if problem is not None
     ]
     state = "unavailable" if engine.state == "ok" and problems else engine.state
-    status = HealthStatus(status=state, model=engine.model_name, problems=problems)
-    return JSONResponse(status.model_dump(), status_code=200 if state == "ok" else 503)
+    return HealthStatus(status=state, model=engine.model_name, problems=problems)
 
 
 def _disk_problem(free: int, minimum: int) -> str | None:

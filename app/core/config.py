@@ -67,6 +67,8 @@ class Settings(BaseSettings):
     webhook_give_up_seconds: int = 72 * 3600
     webhook_poll_seconds: float = 1.0
     webhook_lease_seconds: float = 60.0
+    # SIGTERM: how long the engine may take to stop (runs checkpoint and stop) before the process exits anyway.
+    drain_seconds: float = 30.0
     # Below this much free space in the data directory, /health says the service is unavailable and uploads are
     # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
-from sqlmodel import func, select
+from sqlmodel import col, func, select
 
 from app.core import clock
 from app.core.auth import visible
@@ -323,3 +323,17 @@ def active(*, db: Engine) -> list[BatchRow]:
             .order_by(BatchRow.created_ns.asc())  # type: ignore[attr-defined]
         )
         return list(session.exec(statement).all())
+
+
+def count_by_status(*, db: Engine) -> dict[str, int]:
+    with session_scope(db) as session:
+        statement = select(BatchRow.status, func.count()).group_by(BatchRow.status)
+        return {str(status): count for status, count in session.exec(statement).all()}
+
+
+def lines_waiting(*, db: Engine) -> int:
+    """Lines of active batches without a result yet (validated ones: before validation the count is unknown)."""
+    with session_scope(db) as session:
+        waiting = func.coalesce(func.sum(BatchRow.total - BatchRow.completed - BatchRow.failed), 0)
+        statement = select(waiting).where(col(BatchRow.status).in_(ACTIVE))
+        return int(session.exec(statement).one())

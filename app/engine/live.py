@@ -65,6 +65,10 @@ class LiveEngine:
         serving = self._serving
         return serving.generated_tokens() if serving is not None and self.state == "ok" else None
 
+    def metrics_text(self) -> bytes:
+        serving = self._serving
+        return serving.metrics_text() if serving is not None else b""
+
     async def check(self) -> None:
         """Restart an engine that died with nothing in flight: no request would notice, and /health would say ok."""
         if self.state != "ok" or self._serving is None or await self._serving.is_alive():

@@ -35,7 +35,10 @@ SaveCheckpoint = Callable[[Checkpoint], None]
 
 
 class ResultSink:
-    def __init__(self, output: Path, errors: Path) -> None:
+    """`observe` sees every result recorded (not those restored from a checkpoint): the service's metrics."""
+
+    def __init__(self, output: Path, errors: Path, observe: Callable[[Outcome], None] | None = None) -> None:
+        self.observe = observe
         self.output = ResultAppender(output)
         self.errors = ResultAppender(errors)
         self.progress = Progress()
@@ -77,6 +80,8 @@ class ResultSink:
             self.errors.add(line_for(outcome))
             self.progress.failed += 1
         add_usage(self.progress, outcome.body)
+        if self.observe is not None:
+            self.observe(outcome)
 
     async def checkpoint(self, save: SaveCheckpoint | None = None) -> None:
         """Shielded: a checkpoint cancelled between taking the buffers and writing them would lose those lines

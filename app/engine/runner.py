@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
@@ -27,7 +27,7 @@ from app.domain import batches, files
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
-from app.domain.results import Outcome, error_outcome, index_name, input_name, part_names
+from app.domain.results import Outcome, error_outcome, index_name, input_name, part_names, run_files
 from app.domain.schemas import BatchError, RunStats
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.ending import DISK_FULL, end_from_checkpoint, publish, record_unfinished
@@ -38,6 +38,7 @@ from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, plan
 from app.engine.parts import Checkpoint, ResultSink
 from app.engine.serving import EngineDead
+from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.runner")
 
@@ -65,6 +66,7 @@ class Context:
     changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
     runs: dict[str, BatchRun] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
@@ -98,8 +100,10 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
             _end_without_input(ctx, row)
             return
         await BatchRun(ctx, row, index).run()
-    elif row.status == BatchStatus.CANCELLING:
+    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
         batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
+        for name in run_files(row.id):
+            await ctx.storage.delete(name)
 
 
 def _limits(ctx: Context, row: BatchRow) -> Limits:
@@ -114,23 +118,38 @@ def _limits(ctx: Context, row: BatchRow) -> Limits:
 
 async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | None]:
     """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
-    batch's results before the batch starts, so a restart never reads the input whole again."""
+    batch's results before the batch starts, so a restart never reads the input whole again. A cancel may come at
+    any point of it: the batch is then left as the cancel made it."""
     try:
         source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
         report = await _read_input(ctx, row, source.id)
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
+        if is_disk_full(exc):
+            raise
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        return batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)]), None
-    current = batches.get(db=ctx.db, batch_id=row.id, owner=None)
-    if current.status != BatchStatus.VALIDATING:  # cancelled while we read
-        return current, None
+        return _unless_cancelled(
+            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
+        )
     if not report.ok:
         log.info("batch %s: failed validation with %d errors", row.id, report.error_count)
-        return batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors), None
+        for error in report.errors:
+            ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
+        return _unless_cancelled(ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors))
     await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     log.info("batch %s: %d requests validated", row.id, report.total)
-    return batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model), report.index
+    started, _ = _unless_cancelled(
+        ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model)
+    )
+    return started, report.index if started.status == BatchStatus.IN_PROGRESS else None
+
+
+def _unless_cancelled(ctx: Context, batch_id: str, move: Callable[[], BatchRow]) -> tuple[BatchRow, None]:
+    """The batch after `move`; or, if a cancel moved it first, as the cancel left it (and no index)."""
+    try:
+        return move(), None
+    except InvalidTransition:
+        return batches.get(db=ctx.db, batch_id=batch_id, owner=None), None
 
 
 def _input_gone(row: BatchRow) -> BatchError:
@@ -171,7 +190,7 @@ class BatchRun:
         self.row = row
         self.index = index
         output_part, error_part = part_names(row.id)
-        self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part))
+        self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part), ctx.metrics.result)
         self.input_path = ctx.storage.path(input_name(row.id))
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
@@ -217,7 +236,8 @@ class BatchRun:
     async def _checkpoint(self) -> None:
         # With the disk full, results stop here: the room left is for the database to end the batch.
         self.ctx.storage.check_room()
-        await self.sink.checkpoint(self._save)
+        with self.ctx.metrics.checkpoint_seconds.time():
+            await self.sink.checkpoint(self._save)
 
     def _save(self, checkpoint: Checkpoint) -> None:
         batches.save_checkpoint(
@@ -418,15 +438,16 @@ class BatchRun:
                 # Cancelled after its last line had finished: it ends cancelled, with every result it has.
                 status = BatchStatus.CANCELLED
         self.meter.mark("published")
-        await publish(
-            db=ctx.db,
-            storage=ctx.storage,
-            settings=ctx.settings,
-            row=self.row,
-            sink=self.sink,
-            status=status,
-            timeline=self.meter.timeline,
-        )
+        with ctx.metrics.publish_seconds.time():
+            await publish(
+                db=ctx.db,
+                storage=ctx.storage,
+                settings=ctx.settings,
+                row=self.row,
+                sink=self.sink,
+                status=status,
+                timeline=self.meter.timeline,
+            )
         log.info(
             "batch %s: timeline %s",
             self.row.id,

@@ -29,6 +29,7 @@ from app.engine.ending import end_from_checkpoint
 from app.engine.live import LiveEngine
 from app.engine.runner import Context, run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving
+from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.engine")
 
@@ -53,6 +54,7 @@ class EngineService:
         self._stop_requested = threading.Event()
         self._running: dict[str, asyncio.Task] = {}
         self._ctx: Context | None = None
+        self.metrics = Metrics()
         # Why the loop could not look for work at its last try (None: it could); /health reports it.
         self.scheduler_error: str | None = None
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
@@ -68,6 +70,16 @@ class EngineService:
         run = ctx.runs.get(batch_id) if ctx is not None else None
         return run.stats() if run is not None else None
 
+    def live_rates(self) -> dict[str, tuple[float, float]]:
+        """Each running batch's (requests/s, output tokens/s), from any thread."""
+        ctx = self._ctx
+        rates = {}
+        for batch_id, run in list(ctx.runs.items()) if ctx is not None else []:
+            stats = run.stats()
+            if stats is not None:
+                rates[batch_id] = (stats.requests_per_second or 0.0, stats.output_tokens_per_second or 0.0)
+        return rates
+
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._signal(self._wake)
@@ -78,9 +90,10 @@ class EngineService:
             with contextlib.suppress(RuntimeError):  # the engine loop has already closed
                 loop.call_soon_threadsafe(event.set)
 
-    async def start(self, *, db: Engine, storage: Storage, settings: Settings) -> None:
+    async def start(self, *, db: Engine, storage: Storage, settings: Settings, metrics: Metrics | None = None) -> None:
         """Returns at once: the engine starts, and batches run, on the engine thread."""
         self._stop_requested.clear()
+        self.metrics = metrics or Metrics()
         self._thread = threading.Thread(
             target=asyncio.run, args=(self._lifetime(db, storage, settings),), name="vbatch-engine", daemon=True
         )
@@ -133,6 +146,7 @@ class EngineService:
             max_in_flight=max_in_flight,
             wave=serving.max_num_seqs,
             slots=asyncio.Semaphore(max_in_flight),
+            metrics=self.metrics,
         )
         self._ctx = ctx
         logs.ensure_enabled()

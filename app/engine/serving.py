@@ -38,6 +38,10 @@ class Serving(Protocol):
         Called from any thread."""
         ...
 
+    def metrics_text(self) -> bytes:
+        """The engine's own Prometheus series in text format, as `vllm serve`'s /metrics has them. Any thread."""
+        ...
+
 
 # Each call starts a new engine; leaving the context stops it.
 EngineFactory = Callable[[], AbstractAsyncContextManager[Serving]]
@@ -73,6 +77,9 @@ class _Poisoned:
 
     def generated_tokens(self) -> int | None:
         return self._serving.generated_tokens()
+
+    def metrics_text(self) -> bytes:
+        return self._serving.metrics_text()
 
     async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
         if body.get("user") == self._poison_user:

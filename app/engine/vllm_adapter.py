@@ -176,6 +176,12 @@ class ServingLayer:
                         total, seen = total + sample.value, True
         return int(total) if seen else None
 
+    def metrics_text(self) -> bytes:
+        from prometheus_client import generate_latest
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return generate_latest(get_prometheus_registry())
+
     async def is_alive(self) -> bool:
         try:
             await self.engine_client.check_health()

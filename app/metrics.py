@@ -1,0 +1,131 @@
+"""vbatch's Prometheus series, beside the engine's own `vllm:` ones.
+
+Each app has its own registry (a process may hold several apps, as the tests do); what happens is counted where
+it happens (the engine thread, the webhook sender), and what is true now (batches by status, lines waiting, each
+running batch's rates) is read from the database and the live runs at scrape time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from app.domain.results import Outcome
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "vbatch_requests", "Batch lines that reached a result, by outcome.", ["outcome"], registry=self.registry
+        )
+        self.tokens = Counter(
+            "vbatch_tokens",
+            "Tokens of finished batch lines, by kind (prompt, cached, output).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.validation_failures = Counter(
+            "vbatch_validation_failures",
+            "Input-file problems that failed a batch, by code.",
+            ["code"],
+            registry=self.registry,
+        )
+        self.checkpoint_seconds = Histogram(
+            "vbatch_checkpoint_seconds",
+            "Time to fsync a batch's results and commit its counts.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.publish_seconds = Histogram(
+            "vbatch_publish_seconds",
+            "Time to turn a batch's results into files and end it.",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.webhook_deliveries = Counter(
+            "vbatch_webhook_deliveries",
+            "Webhook delivery attempts, by outcome (delivered, failed, given_up).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        for outcome in ("completed", "failed"):
+            self.requests.labels(outcome)
+        for kind in ("prompt", "cached", "output"):
+            self.tokens.labels(kind)
+        for outcome in ("delivered", "failed", "given_up"):
+            self.webhook_deliveries.labels(outcome)
+
+    def result(self, outcome: Outcome) -> None:
+        self.requests.labels("completed" if outcome.succeeded else "failed").inc()
+        usage = (outcome.body or {}).get("usage") or {}
+        self.tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
+        self.tokens.labels("cached").inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+        self.tokens.labels("output").inc(usage.get("completion_tokens") or 0)
+
+    def watch(self, state: Callable[[], State]) -> None:
+        """What is true now, read at every scrape from `state`."""
+        self.registry.register(_Now(state))
+
+    def exposition(self, engine_text: bytes) -> bytes:
+        return engine_text + generate_latest(self.registry)
+
+
+class State:
+    """What a scrape reads: filled in by the app from the database and the engine service."""
+
+    def __init__(
+        self,
+        *,
+        batches_by_status: dict[str, int],
+        lines_waiting: int,
+        running: dict[str, tuple[float, float]],
+        engine_deaths: int,
+        engine_up: bool,
+    ) -> None:
+        self.batches_by_status = batches_by_status
+        self.lines_waiting = lines_waiting
+        self.running = running  # batch id -> (requests/s, output tokens/s)
+        self.engine_deaths = engine_deaths
+        self.engine_up = engine_up
+
+
+class _Now(Collector):
+    def __init__(self, state: Callable[[], State]) -> None:
+        self.state = state
+
+    def describe(self) -> list:
+        return []  # described at collection only: a scrape, not registration, reads the database
+
+    def collect(self) -> Iterator[Any]:
+        now = self.state()
+        batches = GaugeMetricFamily("vbatch_batches", "Batches by status.", labels=["status"])
+        for status, count in sorted(now.batches_by_status.items()):
+            batches.add_metric([status], count)
+        yield batches
+        yield GaugeMetricFamily(
+            "vbatch_lines_waiting", "Lines of active batches without a result yet.", value=now.lines_waiting
+        )
+        rates = GaugeMetricFamily(
+            "vbatch_batch_requests_per_second", "Each running batch's requests a second.", labels=["batch_id"]
+        )
+        tokens = GaugeMetricFamily(
+            "vbatch_batch_output_tokens_per_second",
+            "Each running batch's output tokens a second.",
+            labels=["batch_id"],
+        )
+        for batch_id, (requests_per_second, tokens_per_second) in sorted(now.running.items()):
+            rates.add_metric([batch_id], requests_per_second)
+            tokens.add_metric([batch_id], tokens_per_second)
+        yield rates
+        yield tokens
+        yield CounterMetricFamily(
+            "vbatch_engine_restarts", "Engine deaths after which a new engine was started.", value=now.engine_deaths
+        )
+        yield GaugeMetricFamily("vbatch_engine_up", "1 while the engine serves.", value=1 if now.engine_up else 0)
