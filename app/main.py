@@ -16,6 +16,7 @@ from app.api import files as file_routes
 from app.api import system as system_routes
 from app.api.errors import document_errors, install_error_handlers
 from app.api.guard import RequestGuard
+from app.core import clock
 from app.core.auth import KeyRing
 from app.core.config import Settings
 from app.core.db import make_engine
@@ -23,7 +24,7 @@ from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
-from app.domain import batches
+from app.domain import batches, retention
 from app.domain.sweep import sweep_storage
 from app.engine.service import EngineService
 from app.metrics import Metrics, State
@@ -50,11 +51,13 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings, metrics=app.state.metrics)
         # Without endpoints, events wait in the outbox (a webhook configured later gets the last 72 hours').
         sender = asyncio.create_task(outbox.run() if endpoints.any else asyncio.Event().wait())
+        sweeper = asyncio.create_task(_keep_retention(app.state.db, app.state.storage, settings))
         try:
             yield
         finally:
-            sender.cancel()
-            await asyncio.gather(sender, return_exceptions=True)
+            for task in (sender, sweeper):
+                task.cancel()
+            await asyncio.gather(sender, sweeper, return_exceptions=True)
             await _drain(engine, settings.drain_seconds)
             app.state.db.dispose()
 
@@ -108,3 +111,14 @@ async def _drain(engine: EngineService, deadline: float) -> None:
         await asyncio.wait_for(asyncio.shield(engine.stop()), timeout=deadline)
     except TimeoutError:
         log.error("the engine did not stop within VBATCH_DRAIN_SECONDS (%s s); exiting without it", deadline)
+
+
+async def _keep_retention(db: Engine, storage: Storage, settings: Settings) -> None:
+    while True:
+        try:
+            await retention.sweep(
+                db=db, storage=storage, now=clock.now(), keep_events_seconds=settings.retention_events_seconds
+            )
+        except Exception:
+            log.exception("the retention sweep failed; it runs again in %s s", settings.retention_sweep_seconds)
+        await asyncio.sleep(settings.retention_sweep_seconds)

@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     webhook_lease_seconds: float = 60.0
     # SIGTERM: how long the engine may take to stop (runs checkpoint and stop) before the process exits anyway.
     drain_seconds: float = 30.0
+    # Retention: how often expired files are deleted (disk and database), and how long finished webhook events stay.
+    retention_sweep_seconds: float = 300.0
+    retention_events_seconds: int = 7 * 86400
     # Below this much free space in the data directory, /health says the service is unavailable and uploads are
     # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024

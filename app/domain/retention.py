@@ -1,0 +1,53 @@
+"""Retention: files past their `expires_at` (an upload's `expires_after`, the batch-file and output TTLs, a batch's
+`output_expires_after`) leave the disk and the database; webhook events that are done leave the outbox.
+
+A file an active batch still reads is never deleted, whatever its expiry: the batch keeps it until it ends (its
+expiry hides it from its owner all the same). Each deletion leaves the same tombstone as a client's delete, so a
+list cursor that names it still pages on.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from sqlalchemy.engine import Engine
+from sqlmodel import col, delete, select
+
+from app.core.db import session_scope, write_scope
+from app.core.storage import Storage
+from app.domain import files
+from app.domain.errors import NotFound
+from app.domain.lifecycle import ACTIVE
+from app.domain.models import BatchRow, FileRow, WebhookEvent
+
+log = logging.getLogger("vbatch.retention")
+
+
+def expired_files(*, db: Engine, now: int) -> list[str]:
+    """Ids of files past their expiry that no active batch reads."""
+    with session_scope(db) as session:
+        in_use = select(BatchRow.input_file_id).where(col(BatchRow.status).in_(ACTIVE))
+        statement = (
+            select(FileRow.id)
+            .where(col(FileRow.expires_at).is_not(None), col(FileRow.expires_at) <= now)
+            .where(col(FileRow.id).not_in(in_use))
+        )
+        return list(session.exec(statement).all())
+
+
+async def sweep(*, db: Engine, storage: Storage, now: int, keep_events_seconds: int) -> int:
+    """Delete what has expired; the number of files deleted."""
+    removed = 0
+    for file_id in expired_files(db=db, now=now):
+        try:
+            await files.delete(db=db, storage=storage, file_id=file_id, owner=None)
+            removed += 1
+        except NotFound:  # its owner deleted it meanwhile
+            continue
+    with write_scope(db) as session:
+        finished = col(WebhookEvent.delivered_at).is_not(None) | col(WebhookEvent.given_up_at).is_not(None)
+        session.exec(delete(WebhookEvent).where(finished, col(WebhookEvent.created_at) < now - keep_events_seconds))
+        session.commit()
+    if removed:
+        log.info("retention: deleted %d expired files", removed)
+    return removed

@@ -1,0 +1,68 @@
+"""Retention: expired files leave the disk and the database; an active batch's input stays; nothing else moves."""
+
+from __future__ import annotations
+
+import asyncio
+
+from app.core import clock
+from app.domain import retention
+from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
+
+HOUR = 3600
+FINAL = {"completed", "failed", "cancelled", "expired"}
+
+
+def upload_expiring(client, content: bytes, seconds: int, purpose: str = "batch") -> dict:
+    response = client.post(
+        "/v1/files",
+        files={"file": ("in.jsonl", content)},
+        data={"purpose": purpose, "expires_after[anchor]": "created_at", "expires_after[seconds]": str(seconds)},
+    )
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_expired_files_go_from_disk_and_database_and_an_active_batchs_input_stays(client, settings, fake_engine):
+    short = upload_expiring(client, jsonl([request_line("s")]), HOUR)
+    kept = upload(client, b"notes", purpose="user_data")  # no expiry at all
+    done = create_batch(
+        client,
+        upload(client, jsonl([request_line("d")]))["id"],
+        output_expires_after={"anchor": "created_at", "seconds": HOUR},
+    )
+    done = wait_status(client, done["id"], FINAL)
+    fake_engine.executor.answer_first = fake_engine.executor.calls  # the next batch stays running
+    in_use = upload_expiring(client, jsonl([request_line(f"r{i}") for i in range(3)]), HOUR)
+    active = create_batch(client, in_use["id"])
+    wait_for(lambda: client.get(f"/v1/batches/{active['id']}").json()["status"] == "in_progress")
+
+    later = clock.now() + 2 * HOUR
+    db, storage = client.app.state.db, client.app.state.storage
+    assert set(retention.expired_files(db=db, now=later)) == {short["id"], done["output_file_id"]}
+    removed = asyncio.run(retention.sweep(db=db, storage=storage, now=later, keep_events_seconds=0))
+    assert removed == 2
+    on_disk = {p.name for p in settings.files_dir.iterdir()}
+    assert short["id"] not in on_disk and done["output_file_id"] not in on_disk
+    assert {in_use["id"], kept["id"]} <= on_disk
+    assert any(name.startswith(active["id"]) for name in on_disk)  # the running batch's own files are untouched
+    for gone in (short["id"], done["output_file_id"]):
+        assert client.get(f"/v1/files/{gone}").status_code == 404
+    assert client.get(f"/v1/files/{kept['id']}").status_code == 200
+    # Once its batch has ended, the input goes too.
+    client.post(f"/v1/batches/{active['id']}/cancel")
+    wait_status(client, active["id"], FINAL)
+    assert in_use["id"] in retention.expired_files(db=db, now=later)
+
+
+def test_the_periodic_sweeper_runs_on_its_own(settings, fake_engine, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from app.engine.service import EngineService
+    from app.main import create_app
+
+    settings.retention_sweep_seconds = 0.05
+    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+        short = upload_expiring(client, jsonl([request_line("s")]), HOUR)
+        real_now = clock.now
+        monkeypatch.setattr(clock, "now", lambda: real_now() + 2 * HOUR)
+        wait_for(lambda: not (settings.files_dir / short["id"]).exists())
