@@ -68,6 +68,9 @@ def server_options(settings: Settings) -> dict:
         "log_level": "info",
         "timeout_graceful_shutdown": 5,
         "http": protocol,
+        # uvicorn's lines go through vbatch's logging (text or JSON); each request is logged once, by the app.
+        "log_config": None,
+        "access_log": False,
     }
 
 
@@ -145,7 +148,7 @@ def run(argv: list[str]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logs.configure()
+    logs.configure(Settings().log_format)
     if not argv or argv[0] not in ("serve", "run"):
         print(USAGE, file=sys.stderr)
         sys.exit(2)

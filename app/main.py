@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -31,6 +33,8 @@ from app.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
 
 log = logging.getLogger("vbatch.api")
+access_log = logging.getLogger("vbatch.access")
+REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def create_app(settings: Settings, engine: EngineService) -> FastAPI:
@@ -83,9 +87,20 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     document_errors(app)
 
     @app.middleware("http")
-    async def request_id(request: Request, call_next):
+    async def request_log(request: Request, call_next):
+        """One record per request, under the client's `x-request-id` when it sent a sane one (echoed back)."""
+        request_id = _client_request_id(request.headers.get("x-request-id")) or new_id("req_")
+        started = time.perf_counter()
         response = await call_next(request)
-        response.headers["x-request-id"] = new_id("req_")
+        response.headers["x-request-id"] = request_id
+        fields = {
+            "request_id": request_id,
+            "method": request.method,
+            "path": request.url.path,
+            "status": response.status_code,
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+        }
+        access_log.info("%s %s %d", request.method, request.url.path, response.status_code, extra=fields)
         return response
 
     app.include_router(file_routes.router)
@@ -122,3 +137,7 @@ async def _keep_retention(db: Engine, storage: Storage, settings: Settings) -> N
         except Exception:
             log.exception("the retention sweep failed; it runs again in %s s", settings.retention_sweep_seconds)
         await asyncio.sleep(settings.retention_sweep_seconds)
+
+
+def _client_request_id(value: str | None) -> str | None:
+    return value if value is not None and REQUEST_ID.fullmatch(value) else None

@@ -199,6 +199,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     import uvicorn
 
     from app.cli import server_options
+    from app.core import logs
     from app.core.config import Settings
     from app.engine.service import EngineService
     from app.main import create_app
@@ -208,6 +209,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
     settings = Settings(data_dir=args.data_dir, port=args.port)
+    logs.configure(settings.log_format)
     uvicorn.run(create_app(settings, EngineService(FakeEngine())), **server_options(settings))
 
 

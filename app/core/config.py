@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 from functools import cached_property
 from pathlib import Path
+from typing import Literal
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -72,6 +73,8 @@ class Settings(BaseSettings):
     # Retention: how often expired files are deleted (disk and database), and how long finished webhook events stay.
     retention_sweep_seconds: float = 300.0
     retention_events_seconds: int = 7 * 86400
+    # "json": one JSON object a line (`app/core/logs.py`), with each request's `request_id`.
+    log_format: Literal["text", "json"] = "text"
     # Below this much free space in the data directory, /health says the service is unavailable and uploads are
     # refused (507): what is left is for the results of running batches.
     min_free_disk_bytes: int = 64 * 1024 * 1024

@@ -64,7 +64,9 @@ async def publish(
     )
     for name in run_files(row.id):
         await storage.delete(name)
-    log.info("batch %s: %s, %d completed, %d failed", row.id, status, sink.progress.completed, sink.progress.failed)
+    done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
+    fields = {"batch_id": row.id, "event": f"batch.{status}", **done}
+    log.info("batch %s: %s, %d completed, %d failed", row.id, status, done["completed"], done["failed"], extra=fields)
 
 
 async def _result_file(

@@ -131,13 +131,15 @@ async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex |
             ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
         )
     if not report.ok:
-        log.info("batch %s: failed validation with %d errors", row.id, report.error_count)
+        fields = {"batch_id": row.id, "event": "batch.validation_failed", "errors": report.error_count}
+        log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
         for error in report.errors:
             ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
         return _unless_cancelled(ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors))
     await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
-    log.info("batch %s: %d requests validated", row.id, report.total)
+    fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
+    log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
     started, _ = _unless_cancelled(
         ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model)
     )
