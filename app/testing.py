@@ -73,6 +73,7 @@ def _error_body(message: str, kind: str, param: str | None) -> dict:
 
 class FakeServing:
     max_num_seqs = 4
+    data_parallel_size = 1
 
     def __init__(self, executor: FakeExecutor) -> None:
         self.executor = executor
@@ -99,8 +100,9 @@ class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
     test sees all calls across restarts."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, data_parallel_size: int = 1) -> None:
         self.executor = FakeExecutor()
+        self.data_parallel_size = data_parallel_size
         self.starts = 0
         self.fail_restarts = False
         self.serving: FakeServing | None = None
@@ -111,6 +113,7 @@ class FakeEngine:
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
         self.serving = FakeServing(self.executor)
+        self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 
 

@@ -150,3 +150,22 @@ def test_vbatch_run_refuses_an_output_file_of_another_input(tmp_path, capsys):
     output.write_text(json.dumps({"id": "x", "custom_id": "someone-else", "response": None, "error": None}) + "\n")
     code = asyncio.run(run_file(FakeEngine(), input_path=input_path, output=output, errors=tmp_path / "e.jsonl"))
     assert code == 2 and "someone-else" in capsys.readouterr().err
+
+
+def test_the_in_flight_window_covers_every_data_parallel_rank(settings):
+    from fastapi.testclient import TestClient
+
+    from app.engine.service import EngineService
+    from app.main import create_app
+    from app.testing import FakeEngine
+
+    engine = FakeEngine(data_parallel_size=2)
+    engine.executor.answer_first = 0  # every request waits: the window fills and stays full
+    service = EngineService(engine)
+    with TestClient(create_app(settings, service)) as client:
+        batch = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(40)]))["id"])
+        # max_num_seqs (4) on each of 2 ranks, twice over: 16 in flight, where one rank's sizing gave 8.
+        wait_for(lambda: engine.executor.calls == 16)
+        assert service.live_stats(batch["id"]) is not None
+        engine.executor.gate.set()
+        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["status"] == "completed")

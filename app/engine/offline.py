@@ -16,7 +16,7 @@ from app.domain.validation import Limits, numbered_lines, validate_file
 from app.engine.execution import run_lines
 from app.engine.ordering import ordered_lines, plan
 from app.engine.parts import ResultSink
-from app.engine.serving import EngineFactory, Serving
+from app.engine.serving import EngineFactory, Serving, engine_wave
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 MAX_REQUESTS = 10_000_000  # the offline runner has no OpenAI quota to mirror
@@ -96,7 +96,7 @@ async def _run(
             await sink.checkpoint()
 
     ticker = asyncio.create_task(checkpoints())
-    in_flight = serving.max_num_seqs * 2
+    in_flight = engine_wave(serving) * 2
     try:
         groups = await asyncio.to_thread(plan, index)
         await run_lines(

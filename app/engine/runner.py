@@ -57,7 +57,7 @@ class Context:
     engine: LiveEngine
     served_models: list[str]
     max_in_flight: int
-    # Requests the engine runs at once (its max_num_seqs): a wave, for the ETA.
+    # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
     wave: int
     slots: asyncio.Semaphore
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.

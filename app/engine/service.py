@@ -28,7 +28,7 @@ from app.domain.schemas import RunStats
 from app.engine.ending import end_from_checkpoint
 from app.engine.live import LiveEngine
 from app.engine.runner import Context, run_batch
-from app.engine.serving import EngineDead, EngineFactory, Serving
+from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave
 from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.engine")
@@ -136,7 +136,8 @@ class EngineService:
 
     def _context(self, serving: Serving, db: Engine, storage: Storage, settings: Settings) -> Context:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
-        max_in_flight = settings.max_in_flight or 2 * serving.max_num_seqs
+        wave = engine_wave(serving)
+        max_in_flight = settings.max_in_flight or 2 * wave
         ctx = Context(
             db=db,
             storage=storage,
@@ -144,7 +145,7 @@ class EngineService:
             engine=self.live,
             served_models=self.served_models,
             max_in_flight=max_in_flight,
-            wave=serving.max_num_seqs,
+            wave=wave,
             slots=asyncio.Semaphore(max_in_flight),
             metrics=self.metrics,
         )

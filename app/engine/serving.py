@@ -22,7 +22,12 @@ class Serving(Protocol):
     """One live engine behind vLLM's OpenAI serving layer."""
 
     @property
-    def max_num_seqs(self) -> int: ...
+    def max_num_seqs(self) -> int:
+        """Per data-parallel rank."""
+        ...
+
+    @property
+    def data_parallel_size(self) -> int: ...
 
     @property
     def served_models(self) -> list[str]: ...
@@ -41,6 +46,12 @@ class Serving(Protocol):
     def metrics_text(self) -> bytes:
         """The engine's own Prometheus series in text format, as `vllm serve`'s /metrics has them. Any thread."""
         ...
+
+
+def engine_wave(serving: Serving) -> int:
+    """Requests the engine runs at once: max_num_seqs on each data-parallel rank. The in-flight window is sized
+    from it, so that extra ranks are fed as fully as the first."""
+    return serving.max_num_seqs * max(1, serving.data_parallel_size)
 
 
 # Each call starts a new engine; leaving the context stops it.
@@ -67,6 +78,10 @@ class _Poisoned:
     @property
     def max_num_seqs(self) -> int:
         return self._serving.max_num_seqs
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self._serving.data_parallel_size
 
     @property
     def served_models(self) -> list[str]:

@@ -130,6 +130,10 @@ class ServingLayer:
         return int(self.engine_client.vllm_config.scheduler_config.max_num_seqs)
 
     @property
+    def data_parallel_size(self) -> int:
+        return int(self.engine_client.vllm_config.parallel_config.data_parallel_size)
+
+    @property
     def served_models(self) -> list[str]:
         models = self._state.openai_serving_models
         return [m.name for m in models.base_model_paths]
