@@ -88,10 +88,10 @@ def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
 def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation_found(
     client, fake_engine, monkeypatch
 ):
-    from app.engine import runner
+    from app.engine import intake
 
     db = client.app.state.db
-    validate = runner.validate_file
+    validate = intake.validate_file
 
     def cancelled_meanwhile(path, limits):
         report = validate(path, limits)
@@ -99,7 +99,7 @@ def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation
         batches.request_cancel(db=db, batch_id=batch_id, owner="")
         return report
 
-    monkeypatch.setattr(runner, "validate_file", cancelled_meanwhile)
+    monkeypatch.setattr(intake, "validate_file", cancelled_meanwhile)
     good = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
     bad = create_batch(client, upload(client, jsonl([request_line("b", model="no-such-model")]))["id"])
     for batch in (good, bad):

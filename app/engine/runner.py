@@ -1,4 +1,5 @@
-"""One batch's life in the engine loop: validate, run, finalize, or stop for cancel and expiry.
+"""One batch's life in the engine loop: its input taken in (`intake.py`), then run, finalized, or stopped for
+cancel, expiry or a full disk.
 
 Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
 when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
@@ -14,31 +15,25 @@ import json
 import logging
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
-
-from sqlalchemy.engine import Engine
+from collections.abc import AsyncIterator
 
 from app.core import clock, failpoints
-from app.core.config import Settings
 from app.core.disk import is_disk_full
-from app.core.storage import Storage
-from app.domain import batches, files
+from app.domain import batches
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
-from app.domain.results import Outcome, error_outcome, index_name, input_name, part_names, run_files
-from app.domain.schemas import BatchError, RunStats
-from app.domain.validation import Limits, Report, validate_file
+from app.domain.results import Outcome, error_outcome, input_name, part_names, run_files
+from app.domain.schemas import RunStats
+from app.engine.context import Context
 from app.engine.ending import DISK_FULL, end_from_checkpoint, publish, record_unfinished
 from app.engine.execution import run_lines
-from app.engine.feed import Changes, FairFeed, Turn
-from app.engine.live import LiveEngine
+from app.engine.feed import Turn
+from app.engine.intake import end_without_input, load_index, validate
 from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, plan
 from app.engine.parts import Checkpoint, ResultSink
 from app.engine.serving import EngineDead
-from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.runner")
 
@@ -47,26 +42,6 @@ ENGINE_CRASH_CODE = "engine_crashed"
 RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
 # Lines in flight at an engine death are re-run in this many groups, one group at a time.
 SUSPECT_FANOUT = 8
-
-
-@dataclass
-class Context:
-    db: Engine
-    storage: Storage
-    settings: Settings
-    engine: LiveEngine
-    served_models: list[str]
-    max_in_flight: int
-    # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
-    wave: int
-    slots: asyncio.Semaphore
-    # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
-    feed: FairFeed = field(default_factory=FairFeed)
-    # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
-    changes: Changes = field(default_factory=Changes)
-    # The batches running now, by id; the API reads their live numbers.
-    runs: dict[str, BatchRun] = field(default_factory=dict)
-    metrics: Metrics = field(default_factory=Metrics)
 
 
 async def run_batch(ctx: Context, batch_id: str) -> None:
@@ -92,98 +67,18 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
     row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
     index: InputIndex | None = None
     if row.status == BatchStatus.VALIDATING:
-        row, index = await _validate(ctx, row)
+        row, index = await validate(ctx, row)
     if row.status in RUNNING and row.in_progress_at is not None:
         try:
-            index = index or await _load_index(ctx, row)
+            index = index or await load_index(ctx, row)
         except FileNotFoundError:
-            _end_without_input(ctx, row)
+            end_without_input(ctx, row)
             return
         await BatchRun(ctx, row, index).run()
     elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
         batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
         for name in run_files(row.id):
             await ctx.storage.delete(name)
-
-
-def _limits(ctx: Context, row: BatchRow) -> Limits:
-    return Limits(
-        endpoint=row.endpoint,
-        served_models=frozenset(ctx.served_models),
-        max_requests=ctx.settings.max_requests_per_batch,
-        max_line_bytes=ctx.settings.max_line_bytes,
-        max_choices=ctx.settings.max_choices_per_request,
-    )
-
-
-async def _validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | None]:
-    """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
-    batch's results before the batch starts, so a restart never reads the input whole again. A cancel may come at
-    any point of it: the batch is then left as the cancel made it."""
-    try:
-        source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
-        report = await _read_input(ctx, row, source.id)
-    except Exception as exc:  # the input file vanished (deleted) or cannot be read
-        if is_disk_full(exc):
-            raise
-        log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        return _unless_cancelled(
-            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
-        )
-    if not report.ok:
-        fields = {"batch_id": row.id, "event": "batch.validation_failed", "errors": report.error_count}
-        log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
-        for error in report.errors:
-            ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
-        return _unless_cancelled(ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors))
-    await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
-    model = report.model or (ctx.served_models[0] if ctx.served_models else None)
-    fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
-    log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
-    started, _ = _unless_cancelled(
-        ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model)
-    )
-    return started, report.index if started.status == BatchStatus.IN_PROGRESS else None
-
-
-def _unless_cancelled(ctx: Context, batch_id: str, move: Callable[[], BatchRow]) -> tuple[BatchRow, None]:
-    """The batch after `move`; or, if a cancel moved it first, as the cancel left it (and no index)."""
-    try:
-        return move(), None
-    except InvalidTransition:
-        return batches.get(db=ctx.db, batch_id=batch_id, owner=None), None
-
-
-def _input_gone(row: BatchRow) -> BatchError:
-    return BatchError(code="file_not_found", message=f"The input file {row.input_file_id} cannot be read.")
-
-
-async def _load_index(ctx: Context, row: BatchRow) -> InputIndex:
-    """The index validation kept. A batch that began before vbatch kept one (and its own name for the input) gets
-    both now, once; FileNotFoundError if its input is gone."""
-    try:
-        return InputIndex.from_bytes(await ctx.storage.read_bytes(index_name(row.id)))
-    except FileNotFoundError:
-        linked = ctx.storage.exists(input_name(row.id))
-        report = await _read_input(ctx, row, source_id=None if linked else row.input_file_id)
-        await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
-        return report.index
-
-
-async def _read_input(ctx: Context, row: BatchRow, source_id: str | None) -> Report:
-    """Validate (and index) the batch's own name for its input, first linking it to `source_id` if given."""
-    if source_id is not None:
-        await ctx.storage.link(source_id, input_name(row.id))
-    return await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
-
-
-def _end_without_input(ctx: Context, row: BatchRow) -> None:
-    """A batch that began before vbatch kept its own input, whose input has since gone: it ends rather than wait."""
-    log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
-    if row.status == BatchStatus.CANCELLING:
-        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
-    else:
-        batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
 
 
 class BatchRun:

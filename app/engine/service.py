@@ -25,9 +25,10 @@ from app.domain import batches
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.schemas import RunStats
+from app.engine.context import Context
 from app.engine.ending import end_from_checkpoint
 from app.engine.live import LiveEngine
-from app.engine.runner import Context, run_batch
+from app.engine.runner import run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave
 from app.metrics import Metrics
 

@@ -1,0 +1,38 @@
+"""What every batch's run shares: the database, the storage, the engine, and the scheduling state."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sqlalchemy.engine import Engine
+
+from app.core.config import Settings
+from app.core.storage import Storage
+from app.engine.feed import Changes, FairFeed
+from app.engine.live import LiveEngine
+from app.metrics import Metrics
+
+if TYPE_CHECKING:
+    from app.engine.runner import BatchRun
+
+
+@dataclass
+class Context:
+    db: Engine
+    storage: Storage
+    settings: Settings
+    engine: LiveEngine
+    served_models: list[str]
+    max_in_flight: int
+    # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
+    wave: int
+    slots: asyncio.Semaphore
+    # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
+    feed: FairFeed = field(default_factory=FairFeed)
+    # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
+    changes: Changes = field(default_factory=Changes)
+    # The batches running now, by id; the API reads their live numbers.
+    runs: dict[str, BatchRun] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
