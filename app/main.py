@@ -52,16 +52,16 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         reserve.keep()
         sweep_storage(db=app.state.db, storage=app.state.storage)
         await engine.start(db=app.state.db, storage=app.state.storage, settings=settings, metrics=app.state.metrics)
-        outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings, metrics=app.state.metrics)
-        # Without endpoints, events wait in the outbox (a webhook configured later gets the last 72 hours').
-        sender = asyncio.create_task(outbox.run() if endpoints.any else asyncio.Event().wait())
-        sweeper = asyncio.create_task(_keep_retention(app.state.db, app.state.storage, settings))
+        background = [asyncio.create_task(_keep_retention(app.state.db, app.state.storage, settings))]
+        if endpoints.any:  # without one, events wait in the outbox (a webhook configured later gets the last 72 h')
+            outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings, metrics=app.state.metrics)
+            background.append(asyncio.create_task(outbox.run()))
         try:
             yield
         finally:
-            for task in (sender, sweeper):
+            for task in background:
                 task.cancel()
-            await asyncio.gather(sender, sweeper, return_exceptions=True)
+            await asyncio.gather(*background, return_exceptions=True)
             await _drain(engine, settings.drain_seconds)
             app.state.db.dispose()
 

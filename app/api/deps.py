@@ -11,6 +11,7 @@ from sqlalchemy.engine import Engine
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.engine.service import EngineService
+from app.metrics import Metrics
 
 
 def _settings(request: Request) -> Settings:
@@ -29,6 +30,10 @@ def _engine(request: Request) -> EngineService:
     return request.app.state.engine
 
 
+def _metrics(request: Request) -> Metrics:
+    return request.app.state.metrics
+
+
 # Declared for the OpenAPI document (and so clients see the scheme); KeyRing reads the header itself.
 _bearer = HTTPBearer(auto_error=False, description="An API key from VBATCH_API_KEYS or VBATCH_API_KEYS_FILE.")
 
@@ -41,5 +46,6 @@ SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Engine, Depends(_db)]
 StorageDep = Annotated[Storage, Depends(_storage)]
 EngineDep = Annotated[EngineService, Depends(_engine)]
+MetricsDep = Annotated[Metrics, Depends(_metrics)]
 # The caller's owner id; resolving it authenticates the request (401 otherwise).
 OwnerDep = Annotated[str, Depends(_owner)]

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from app.api.deps import EngineDep, OwnerDep, SettingsDep, StorageDep
+from app.api.deps import EngineDep, MetricsDep, OwnerDep, SettingsDep, StorageDep
 from app.core.config import Settings
 from app.core.db import write_problem
 from app.core.storage import Storage
@@ -41,10 +41,10 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
         401: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
     },
 )
-def metrics(request: Request, engine: EngineDep, _: OwnerDep) -> Response:
+def metrics(registry: MetricsDep, engine: EngineDep, _: OwnerDep) -> Response:
     """Prometheus text format: the engine's `vllm:` series and vbatch's (`vbatch_*`). Needs a key when keys are
     configured: it counts every tenant's work."""
-    text = request.app.state.metrics.exposition(engine.live.metrics_text())
+    text = registry.exposition(engine.live.metrics_text())
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 

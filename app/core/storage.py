@@ -135,8 +135,9 @@ class Storage:
     def check_room(self, size: int = 0) -> None:
         """DiskFull while the disk is full (its reserve released: what is left is the database's), or if `size`
         more bytes would leave less free than the reserve keeps."""
-        if not self.reserve.held or self.free_bytes() - size < self.reserve.keep_free:
-            raise DiskFull(f"{self.free_bytes()} bytes free")
+        free = self.free_bytes()
+        if not self.reserve.held or free - size < self.reserve.keep_free:
+            raise DiskFull(f"{free} bytes free")
 
 
 def keep_private(data_dir: Path) -> None:

@@ -29,10 +29,10 @@ class Context:
     # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
     wave: int
     slots: asyncio.Semaphore
+    metrics: Metrics
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
     feed: FairFeed = field(default_factory=FairFeed)
     # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
     changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
     runs: dict[str, BatchRun] = field(default_factory=dict)
-    metrics: Metrics = field(default_factory=Metrics)

@@ -45,31 +45,34 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
         if is_disk_full(exc):
             raise
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        return _unless_cancelled(
+        failed = _unless_cancelled(
             ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
         )
+        return failed, None
     if not report.ok:
         fields = {"batch_id": row.id, "event": "batch.validation_failed", "errors": report.error_count}
         log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
         for error in report.errors:
             ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
-        return _unless_cancelled(ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors))
+        return _unless_cancelled(
+            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors)
+        ), None
     await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
-    started, _ = _unless_cancelled(
+    started = _unless_cancelled(
         ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model)
     )
     return started, report.index if started.status == BatchStatus.IN_PROGRESS else None
 
 
-def _unless_cancelled(ctx: Context, batch_id: str, move: Callable[[], BatchRow]) -> tuple[BatchRow, None]:
-    """The batch after `move`; or, if a cancel moved it first, as the cancel left it (and no index)."""
+def _unless_cancelled(ctx: Context, batch_id: str, move: Callable[[], BatchRow]) -> BatchRow:
+    """The batch after `move`; or, if a cancel moved it first, as the cancel left it."""
     try:
-        return move(), None
+        return move()
     except InvalidTransition:
-        return batches.get(db=ctx.db, batch_id=batch_id, owner=None), None
+        return batches.get(db=ctx.db, batch_id=batch_id, owner=None)
 
 
 def _input_gone(row: BatchRow) -> BatchError:
