@@ -137,6 +137,13 @@ def run(argv: list[str]) -> None:
     parser = run_batch_parser("vbatch run")
     parser.add_argument("--error-file", default=None, help="Where failed lines go (default: beside -o).")
     parser.add_argument("--data-dir", default=None, help="Where the default model is prepared.")
+    if not any("--api-server-count" in action.option_strings for action in parser._actions):
+        parser.add_argument(
+            "--api-server-count",
+            type=int,
+            default=None,
+            help="Front-end processes over the one engine, as for `vllm serve` (default: from the host's cores).",
+        )
     args = parser.parse_args(argv)
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
     _prepare_engine_args(argv, args, settings)

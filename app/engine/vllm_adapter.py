@@ -7,11 +7,14 @@ Requests run through vLLM's own OpenAI serving layer (the handlers `vllm serve` 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import functools
 import importlib
 import inspect
 import json
+import os
 import sys
+import tempfile
 import typing
 from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -21,6 +24,7 @@ from typing import Any
 import vllm
 from starlette.datastructures import State
 
+from app.engine import frontends
 from app.engine.serving import EngineDead, EngineFactory
 
 VLLM_VERSION: str = vllm.__version__
@@ -172,19 +176,12 @@ class ServingLayer:
         """vLLM's own counter (`vllm:generation_tokens`, the one `vllm serve` exports), summed over engines."""
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        total, seen = 0.0, False
-        for metric in get_prometheus_registry().collect():
-            if metric.name == "vllm:generation_tokens":
-                for sample in metric.samples:
-                    if sample.name.endswith("_total"):
-                        total, seen = total + sample.value, True
-        return int(total) if seen else None
+        return _generation_tokens(get_prometheus_registry())
 
     def metrics_text(self) -> bytes:
-        from prometheus_client import generate_latest
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
-        return generate_latest(get_prometheus_registry())
+        return _exposition(get_prometheus_registry())
 
     async def is_alive(self) -> bool:
         try:
@@ -211,24 +208,167 @@ def _embedding_request_type(serving: Any) -> type:
 
 
 def engine_factory(args: argparse.Namespace) -> EngineFactory:
-    """Starts engines with `vllm serve`'s arguments (`app.engine.serving.EngineFactory`)."""
+    """Starts engines with `vllm serve`'s arguments (`app.engine.serving.EngineFactory`): the serving layer in this
+    process, or in `--api-server-count` front-end processes (`app.engine.frontends`)."""
+    count = frontend_count(args)
+    if count > 1:
+        return functools.partial(live_frontends, args, count)
     return functools.partial(live_engine, args)
+
+
+def frontend_count(args: argparse.Namespace) -> int:
+    """`--api-server-count` as the user gave it, else a default from the host's cores."""
+    given = getattr(args, "api_server_count", None)
+    if given:
+        return int(given)
+    return frontends.default_count(os.cpu_count())
 
 
 @asynccontextmanager
 async def live_engine(args: argparse.Namespace) -> AsyncIterator[ServingLayer]:
     """Start one engine with LLM-class defaults (sized for throughput, not for interactive serving)."""
+    async with _serving_layer(args) as layer:
+        yield layer
+
+
+@asynccontextmanager
+async def _serving_layer(args: argparse.Namespace, client_config: dict | None = None) -> AsyncIterator[ServingLayer]:
+    """An engine client with the OpenAI serving objects over it: a new engine, or (with `client_config`) a client
+    of engine cores another process launched."""
     from vllm.usage.usage_lib import UsageContext
 
     server = _server_module()
     async with AsyncExitStack() as stack:
         engine_client = await stack.enter_async_context(
-            server.build_async_engine_client(args, usage_context=UsageContext.LLM_CLASS)
+            server.build_async_engine_client(args, usage_context=UsageContext.LLM_CLASS, client_config=client_config)
         )
         state = State()
         supported_tasks = await engine_client.get_supported_tasks()
         await server.init_app_state(engine_client, state, args, supported_tasks)
         yield ServingLayer(engine_client, state)
+
+
+@asynccontextmanager
+async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[frontends.FrontendPool]:
+    """The engine cores and `count` front-end processes, launched as `vllm serve --api-server-count` launches them
+    (vLLM's own `launch_core_engines` and `APIServerProcessManager`), each front end running `frontends.serve`."""
+    from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
+
+    setup_multiprocess_prometheus()  # the front ends' engine metrics, summed here
+    with tempfile.TemporaryDirectory(prefix="vbatch-fe-") as folder:
+        address = f"ipc://{folder}/pool"
+        launched = await asyncio.to_thread(_launch, args, count, address)
+        pool = frontends.FrontendPool(
+            address=address,
+            processes=launched.frontends.processes,
+            max_num_seqs=int(launched.config.scheduler_config.max_num_seqs),
+            data_parallel_size=int(launched.config.parallel_config.data_parallel_size),
+            engine_alive=launched.engine_alive,
+            generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
+            metrics_text=lambda: _exposition(get_prometheus_registry()),
+        )
+        try:
+            await pool.open()
+            yield pool
+        finally:
+            await pool.close()
+            await asyncio.to_thread(launched.shutdown)
+
+
+@dataclass
+class _Launched:
+    config: Any
+    frontends: Any  # APIServerProcessManager
+    engines: Any  # CoreEngineProcManager, or None when engines run elsewhere
+    coordinator: Any
+
+    def engine_alive(self) -> bool:
+        return self.engines is None or not self.engines.finished_procs()
+
+    def shutdown(self) -> None:
+        self.frontends.shutdown()
+        for part in (self.engines, self.coordinator):
+            if part is not None:
+                part.shutdown()
+
+
+def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
+    """Blocking: returns once the engine cores have shaken hands with every front end."""
+    import vllm.v1.engine.utils as engine_utils
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.usage.usage_lib import UsageContext
+    from vllm.v1.executor import Executor
+    from vllm.v1.utils import APIServerProcessManager
+
+    engine_args = AsyncEngineArgs.from_cli_args(args)
+    engine_args._api_process_count = count
+    engine_args._api_process_rank = -1
+    config = engine_args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
+    executor = Executor.get_class(config)
+    log_stats = not engine_args.disable_log_stats
+    common = {"listen_address": address, "sock": None, "args": args, "num_servers": count}
+    common["target_server_fn"] = _frontend_main
+    if hasattr(engine_utils, "bind_engine_zmq_listeners"):  # vLLM 0.32: the parent binds the listeners
+        listeners = engine_utils.bind_engine_zmq_listeners(config, count)
+        with engine_utils.launch_core_engines(config, executor, log_stats, listeners.addresses) as launch:
+            manager = APIServerProcessManager(
+                **common,
+                input_listeners=listeners.inputs,
+                output_listeners=listeners.outputs,
+                stats_update_address=_stats_address(launch.coordinator),
+                tensor_queue=launch.tensor_queue,
+            )
+            launch.watched_frontend_processes = manager.processes
+        return _Launched(config, manager, launch.engine_manager, launch.coordinator)
+    # vLLM 0.26: the front ends bind and report their addresses before the engines' handshake
+    addresses = engine_utils.get_engine_zmq_addresses(config, count, defer_api_server_ports=True)
+    with engine_utils.launch_core_engines(config, executor, log_stats, addresses, count) as launched:
+        engines, coordinator, addresses, tensor_queue = launched
+        manager = APIServerProcessManager(
+            **common,
+            input_addresses=addresses.inputs,
+            output_addresses=addresses.outputs,
+            stats_update_address=_stats_address(coordinator),
+            tensor_queue=tensor_queue,
+        )
+        addresses.inputs, addresses.outputs = manager.gather_actual_addresses()
+    return _Launched(config, manager, engines, coordinator)
+
+
+def _stats_address(coordinator: Any) -> str | None:
+    return coordinator.get_stats_publish_address() if coordinator else None
+
+
+def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, client_config: dict) -> None:
+    """A front-end process (vLLM's `APIServerProcessManager` target): an engine client and serving layer, driven
+    by the pool at `listen_address` instead of an HTTP socket."""
+    from vllm.utils.system_utils import set_process_title
+
+    index = client_config.get("client_index", 0)
+    set_process_title("VbatchFrontend", str(index))
+    client_config.pop("api_server_loads", None)  # for vLLM's HTTP load balancing, which vbatch does not use
+
+    async def main() -> None:
+        async with _serving_layer(args, client_config) as layer:
+            await frontends.serve(layer, listen_address, index)
+
+    asyncio.run(main())
+
+
+def _generation_tokens(registry: Any) -> int | None:
+    total, seen = 0.0, False
+    for metric in registry.collect():
+        if metric.name == "vllm:generation_tokens":
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):
+                    total, seen = total + sample.value, True
+    return int(total) if seen else None
+
+
+def _exposition(registry: Any) -> bytes:
+    from prometheus_client import generate_latest
+
+    return bytes(generate_latest(registry))
 
 
 def apply_batch_defaults(args: argparse.Namespace) -> None:

@@ -1,0 +1,295 @@
+"""Front-end processes: vLLM's OpenAI serving layer spread over several processes, one engine behind them.
+
+For short requests the engine waits on the front end: every line's pydantic request, chat template, tokenizer and
+response object are CPU work in one Python event loop (issue 17: 556 requests/s where the engine alone does
+1,256). `vllm serve --api-server-count N` answers that with N front-end processes, each an engine client of the
+same engine core; vbatch starts the same processes with vLLM's own launcher (`vllm_adapter.live_frontends`) and
+gives each one this module's `serve` loop instead of an HTTP server.
+
+The engine loop keeps one executor: `FrontendPool.execute(endpoint, body)` sends the body to the front end with
+the fewest requests in flight and returns what that front end's serving layer answered, so bodies are exactly what
+one process would produce, and cancel, isolation and engine-death recovery work as they do in one process.
+
+Messages go over one ZeroMQ socket pair per front end, pickled, and are coalesced: everything queued for a front
+end while the event loop was busy leaves in one message, and the answers come back the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import os
+import pickle
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from app.engine.serving import EngineDead, Serving
+
+log = logging.getLogger("vbatch.engine")
+
+READY_TIMEOUT_SECONDS = 600.0
+HEALTH_TIMEOUT_SECONDS = 30.0
+# A body the serving layer raised on, as vLLM's own exception handler answers it.
+INTERNAL_ERROR = 500
+
+
+def default_count(cpu_count: int | None) -> int:
+    """Front-end processes when the user names none: half the cores less one, leaving the rest to the engine core,
+    its workers and the API; one (no extra processes) on small hosts."""
+    return max(1, min(8, (cpu_count or 1) // 2 - 1))
+
+
+@dataclass
+class _Frontend:
+    index: int
+    process: BaseProcess
+    identity: bytes | None = None
+    pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    outbox: list[tuple] = field(default_factory=list)
+    alive: bool = True
+
+
+class FrontendPool:
+    """A `Serving` whose requests run in front-end processes; the engine's own numbers come from the launcher."""
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        processes: Sequence[BaseProcess],
+        max_num_seqs: int,
+        data_parallel_size: int,
+        engine_alive: Callable[[], bool],
+        generated_tokens: Callable[[], int | None],
+        metrics_text: Callable[[], bytes],
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.data_parallel_size = data_parallel_size
+        self.served_models: list[str] = []
+        self._engine_alive = engine_alive
+        self._generated_tokens = generated_tokens
+        self._metrics_text = metrics_text
+        self._frontends = [_Frontend(i, p) for i, p in enumerate(processes)]
+        self._by_identity: dict[bytes, _Frontend] = {}
+        self._ids = itertools.count()
+        self._context = zmq.asyncio.Context()
+        self._socket = self._context.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(address)
+        self._ready = asyncio.Event()
+        self._wake = asyncio.Event()
+        self._tasks: list[asyncio.Task] = []
+        self._health: dict[int, asyncio.Future] = {}
+
+    async def open(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
+        """Returns once every front end has its engine client and serving layer; raises if one dies first."""
+        loop = asyncio.get_running_loop()
+        for frontend in self._frontends:
+            loop.add_reader(frontend.process.sentinel, self._lost, frontend)
+        self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send())]
+        try:
+            await asyncio.wait_for(self._ready.wait(), timeout)
+        except TimeoutError:
+            raise RuntimeError(f"front-end processes not ready within {timeout:.0f} s") from None
+        if not all(f.alive for f in self._frontends):
+            raise RuntimeError("a front-end process exited while starting")
+        log.info("%d front-end processes ready", len(self._frontends))
+
+    async def close(self) -> None:
+        loop = asyncio.get_running_loop()
+        for frontend in self._frontends:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(frontend.process.sentinel)
+            self._fail(frontend, EngineDead("the front ends are stopping"))
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._socket.close(linger=0)
+        self._context.term()
+
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+        frontend = self._least_busy()
+        request_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        frontend.pending[request_id] = answer
+        frontend.outbox.append(("run", request_id, endpoint, body))
+        self._wake.set()
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            if frontend.pending.pop(request_id, None) is not None and frontend.alive:
+                frontend.outbox.append(("abort", request_id))  # the engine stops generating it
+                self._wake.set()
+            raise
+
+    async def is_alive(self) -> bool:
+        if not self._engine_alive() or not all(f.alive for f in self._frontends):
+            return False
+        checks = [self._ask_health(f) for f in self._frontends]
+        try:
+            answers = await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_SECONDS)
+        except (TimeoutError, EngineDead):
+            return False
+        return all(answers)
+
+    def generated_tokens(self) -> int | None:
+        return self._generated_tokens()
+
+    def metrics_text(self) -> bytes:
+        return self._metrics_text()
+
+    def _least_busy(self) -> _Frontend:
+        live = [f for f in self._frontends if f.alive]
+        if not live:
+            raise EngineDead("every front-end process is gone")
+        return min(live, key=lambda f: len(f.pending))
+
+    async def _ask_health(self, frontend: _Frontend) -> bool:
+        request_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        frontend.pending[request_id] = answer
+        frontend.outbox.append(("health", request_id))
+        self._wake.set()
+        return bool(await answer)
+
+    async def _send(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for frontend in self._frontends:
+                if frontend.outbox and frontend.identity is not None:
+                    batch, frontend.outbox = frontend.outbox, []
+                    await self._socket.send_multipart([frontend.identity, pickle.dumps(batch, protocol=5)])
+
+    async def _receive(self) -> None:
+        while True:
+            identity, payload = await self._socket.recv_multipart()
+            message = pickle.loads(payload)
+            if message[0] == "ready":
+                self._greet(identity, index=message[1], served_models=message[2])
+                continue
+            frontend = self._by_identity[identity]
+            for request_id, status, body in message[1]:
+                answer = frontend.pending.pop(request_id, None)
+                if answer is None or answer.done():  # aborted meanwhile
+                    continue
+                if status is None:
+                    answer.set_exception(EngineDead(body))
+                else:
+                    answer.set_result(body if status == "health" else (status, body))
+
+    def _greet(self, identity: bytes, *, index: int, served_models: list[str]) -> None:
+        frontend = self._frontends[index]
+        frontend.identity = identity
+        self._by_identity[identity] = frontend
+        self.served_models = served_models
+        self._wake.set()
+        if all(f.identity is not None for f in self._frontends):
+            self._ready.set()
+
+    def _lost(self, frontend: _Frontend) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(frontend.process.sentinel)
+        if frontend.alive:
+            log.error("front-end process %d exited (code %s)", frontend.index, frontend.process.exitcode)
+        self._fail(frontend, EngineDead(f"front-end process {frontend.index} exited"))
+        self._ready.set()  # a start that waits for it fails now, not at its timeout
+
+    @staticmethod
+    def _fail(frontend: _Frontend, error: EngineDead) -> None:
+        frontend.alive = False
+        pending, frontend.pending = frontend.pending, {}
+        for answer in pending.values():
+            if not answer.done():
+                answer.set_exception(error)
+
+
+async def serve(serving: Serving, address: str, index: int) -> None:
+    """A front-end process's loop: run what the pool sends through `serving`, answer in batches, until the pool
+    goes away (the launcher then stops the process)."""
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(address)
+    answers: list[tuple] = []
+    wake = asyncio.Event()
+    running: dict[int, asyncio.Task] = {}
+
+    def answer(item: tuple) -> None:
+        answers.append(item)
+        wake.set()
+
+    async def run(request_id: int, endpoint: str, body: dict) -> None:
+        try:
+            status, result = await serving.execute(endpoint, body)
+            answer((request_id, status, result))
+        except EngineDead as exc:
+            answer((request_id, None, str(exc)))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # the serving layer answers errors itself; this is a last resort
+            log.exception("front end %d: request failed", index)
+            answer((request_id, INTERNAL_ERROR, _internal_error(exc)))
+        finally:
+            running.pop(request_id, None)
+
+    async def health(request_id: int) -> None:
+        try:
+            answer((request_id, "health", await serving.is_alive()))
+        finally:
+            running.pop(request_id, None)
+
+    async def orphaned() -> None:
+        """A `kill -9` of vbatch leaves no front end behind: it exits when its parent is gone."""
+        parent = os.getppid()
+        while os.getppid() == parent:
+            await asyncio.sleep(1.0)
+        log.warning("front end %d: vbatch exited; stopping", index)
+
+    async def send() -> None:
+        nonlocal answers
+        while True:
+            await wake.wait()
+            wake.clear()
+            if answers:
+                batch, answers = answers, []
+                await socket.send(pickle.dumps(("done", batch), protocol=5))
+
+    sender = asyncio.create_task(send())
+    watch = asyncio.create_task(orphaned())
+    await socket.send(pickle.dumps(("ready", index, serving.served_models), protocol=5))
+    try:
+        while not watch.done():
+            receiving = asyncio.ensure_future(socket.recv())
+            await asyncio.wait([receiving, watch], return_when=asyncio.FIRST_COMPLETED)
+            if not receiving.done():
+                receiving.cancel()
+                break
+            for item in pickle.loads(receiving.result()):
+                kind, request_id = item[0], item[1]
+                if kind == "run":
+                    running[request_id] = asyncio.create_task(run(request_id, item[2], item[3]))
+                elif kind == "abort":
+                    task = running.pop(request_id, None)
+                    if task is not None:
+                        task.cancel()
+                elif kind == "health":
+                    running[request_id] = asyncio.create_task(health(request_id))
+    finally:
+        sender.cancel()
+        watch.cancel()
+        for task in list(running.values()):
+            task.cancel()
+        socket.close(linger=0)
+        context.term()
+
+
+def _internal_error(exc: Exception) -> dict[str, Any]:
+    return {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": INTERNAL_ERROR}}
