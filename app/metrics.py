@@ -64,7 +64,7 @@ class Metrics:
 
     def result(self, outcome: Outcome) -> None:
         self.requests.labels("completed" if outcome.succeeded else "failed").inc()
-        usage = (outcome.body or {}).get("usage") or {}
+        usage = outcome.usage
         self.tokens.labels("prompt").inc(usage.get("prompt_tokens") or 0)
         self.tokens.labels("cached").inc((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         self.tokens.labels("output").inc(usage.get("completion_tokens") or 0)

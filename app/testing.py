@@ -7,17 +7,22 @@ The fake engine is never the only proof that a feature works: the end-to-end tes
 from __future__ import annotations
 
 import asyncio
+import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import httpx
 
+from app.engine import frontends
 from app.engine.serving import EngineDead
 
 FAKE_MODEL = "fake-model"
@@ -53,7 +58,7 @@ class FakeExecutor:
         if self.before_answer is not None:
             self.before_answer(body)
         return 200, {
-            "id": f"chatcmpl-{self.calls}",
+            "id": f"chatcmpl-{zlib.crc32(json.dumps(body, sort_keys=True).encode())}",  # the same in any process
             "object": "chat.completion",
             "created": 0,
             "model": body.get("model", FAKE_MODEL),
@@ -115,6 +120,39 @@ class FakeEngine:
         self.serving = FakeServing(self.executor)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
+
+
+@asynccontextmanager
+async def fake_frontends(count: int) -> AsyncIterator[frontends.FrontendPool]:
+    """An engine factory (`app.engine.serving.EngineFactory`, with `functools.partial`): the fake engine's serving
+    in `count` front-end processes behind a `FrontendPool`, as `vbatch serve --api-server-count` runs vLLM's."""
+    spawn = multiprocessing.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="vbatch-fake-fe-") as folder:
+        address = f"ipc://{folder}/pool"
+        processes = [spawn.Process(target=_fake_frontend, args=(address, i), daemon=True) for i in range(count)]
+        pool = frontends.FrontendPool(
+            address=address,
+            processes=processes,
+            max_num_seqs=FakeServing.max_num_seqs,
+            data_parallel_size=1,
+            engine_alive=lambda: True,
+            generated_tokens=lambda: None,
+            metrics_text=lambda: b"",
+        )
+        for process in processes:
+            process.start()
+        try:
+            await pool.open(timeout=120)
+            yield pool
+        finally:
+            await pool.close()
+            for process in processes:
+                process.kill()
+                process.join()
+
+
+def _fake_frontend(address: str, index: int) -> None:
+    asyncio.run(frontends.serve(FakeServing(FakeExecutor()), address, index))
 
 
 class VbatchServer:

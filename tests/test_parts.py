@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from app.domain.batches import Progress
-from app.domain.results import Outcome
+from app.domain.results import http_outcome
 from app.engine.parts import Checkpoint, ResultSink
 
 
@@ -19,7 +19,7 @@ def test_a_cancelled_checkpoint_still_lands_its_lines(tmp_path):
         sink = ResultSink(tmp_path / "out.part", tmp_path / "err.part")
         await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
         for position in range(6):
-            sink.record(position, Outcome(custom_id=f"c{position}", status_code=200, body={"ok": position}))
+            sink.record(position, http_outcome(f"c{position}", 200, {"ok": position}))
         ticker = asyncio.create_task(sink.checkpoint(saved.append))
         await asyncio.sleep(0)  # the checkpoint has taken the buffers and is writing them
         ticker.cancel()
@@ -42,10 +42,10 @@ def test_a_reopened_sink_keeps_what_was_checkpointed_and_cuts_the_rest(tmp_path)
     async def first_run() -> None:
         sink = ResultSink(tmp_path / "out.part", tmp_path / "err.part")
         await sink.open(output_bytes=0, error_bytes=0, position_of=lambda: positions)
-        sink.record(0, Outcome(custom_id="c0", status_code=200, body={"usage": {"completion_tokens": 3}}))
-        sink.record(1, Outcome(custom_id="c1", status_code=400, body={"error": {}}))
+        sink.record(0, http_outcome("c0", 200, {"usage": {"completion_tokens": 3}}))
+        sink.record(1, http_outcome("c1", 400, {"error": {}}))
         await sink.checkpoint(saved.append)
-        sink.record(2, Outcome(custom_id="c2", status_code=200, body={}))
+        sink.record(2, http_outcome("c2", 200, {}))
         await sink.output.flush()  # reached the file, but after the checkpoint: a crash now loses it
         await sink.close()
 

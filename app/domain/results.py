@@ -13,18 +13,40 @@ CANCELLED_MESSAGE = "The batch was cancelled before this request executed."
 
 
 @dataclass(frozen=True)
+class EncodedBody:
+    """A response body already in the form the output file holds it (compact JSON), with its usage read out. Bodies
+    are encoded where they are made, in a front-end process when there are several, so the loop only copies bytes:
+    an embedding's thousands of floats are never parsed or printed again."""
+
+    json: bytes
+    usage: dict
+
+
+def encode_body(body: dict) -> EncodedBody:
+    return EncodedBody(_compact(body), body.get("usage") or {})
+
+
+# What an executor answers: a body as the serving layer made it, or one a front-end process encoded.
+Body = dict | EncodedBody
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What one request came to: an HTTP status and body from the handler, or a non-HTTP error."""
 
     custom_id: str
     status_code: int | None
-    body: dict | None
+    body: EncodedBody | None
     error_code: str | None = None
     error_message: str | None = None
 
     @property
     def succeeded(self) -> bool:
         return self.status_code is not None and 200 <= self.status_code < 300
+
+    @property
+    def usage(self) -> dict:
+        return self.body.usage if self.body is not None else {}
 
 
 def part_names(batch_id: str) -> tuple[str, str]:
@@ -48,8 +70,9 @@ def run_files(batch_id: str) -> tuple[str, ...]:
     return (*part_names(batch_id), index_name(batch_id), input_name(batch_id))
 
 
-def http_outcome(custom_id: str, status_code: int, body: dict) -> Outcome:
-    return Outcome(custom_id=custom_id, status_code=status_code, body=body)
+def http_outcome(custom_id: str, status_code: int, body: Body) -> Outcome:
+    encoded = body if isinstance(body, EncodedBody) else encode_body(body)
+    return Outcome(custom_id=custom_id, status_code=status_code, body=encoded)
 
 
 def error_outcome(custom_id: str, code: str, message: str) -> Outcome:
@@ -57,24 +80,32 @@ def error_outcome(custom_id: str, code: str, message: str) -> Outcome:
 
 
 def line_for(outcome: Outcome) -> bytes:
-    if outcome.status_code is None:
-        response = None
+    """The output or error file's line: the bytes `json.dumps` of the whole record would give, with the body copied in
+    as it was encoded."""
+    if outcome.body is None:
         error = {"code": outcome.error_code, "message": outcome.error_message}
-    else:
-        response = {"status_code": outcome.status_code, "request_id": new_id("req_"), "body": outcome.body}
-        error = None
-    record = {
-        "id": new_id("batch_req_"),
-        "custom_id": outcome.custom_id,
-        "response": response,
-        "error": error,
-    }
-    return json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+        record = {"id": new_id("batch_req_"), "custom_id": outcome.custom_id, "response": None, "error": error}
+        return _compact(record) + b"\n"
+    head = {"id": new_id("batch_req_"), "custom_id": outcome.custom_id}
+    response = {"status_code": outcome.status_code, "request_id": new_id("req_")}
+    return b"".join(
+        (
+            _compact(head)[:-1],
+            b',"response":',
+            _compact(response)[:-1],
+            b',"body":',
+            outcome.body.json,
+            b'},"error":null}\n',
+        )
+    )
 
 
-def add_usage(progress: Progress, body: dict | None) -> None:
+def _compact(value: dict) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def add_usage(progress: Progress, usage: dict) -> None:
     """Chat and completions report prompt/completion tokens; responses input/output; embeddings prompt only."""
-    usage = (body or {}).get("usage") or {}
     prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
     completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
     prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}

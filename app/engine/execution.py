@@ -10,11 +10,11 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
-from app.domain.results import Outcome, http_outcome
+from app.domain.results import Body, Outcome, http_outcome
 
 
 class Executor(Protocol):
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]: ...
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]: ...
 
 
 Line = tuple[int, dict]

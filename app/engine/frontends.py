@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from app.domain.results import Body, EncodedBody, encode_body
 from app.engine.serving import EngineDead, Serving
 
 log = logging.getLogger("vbatch.engine")
@@ -114,7 +115,7 @@ class FrontendPool:
         self._socket.close(linger=0)
         self._context.term()
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
         frontend = self._least_busy()
         request_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
@@ -229,14 +230,14 @@ async def serve(serving: Serving, address: str, index: int) -> None:
     async def run(request_id: int, endpoint: str, body: dict) -> None:
         try:
             status, result = await serving.execute(endpoint, body)
-            answer((request_id, status, result))
+            answer((request_id, status, result if isinstance(result, EncodedBody) else encode_body(result)))
         except EngineDead as exc:
             answer((request_id, None, str(exc)))
         except asyncio.CancelledError:
             pass
         except Exception as exc:  # the serving layer answers errors itself; this is a last resort
             log.exception("front end %d: request failed", index)
-            answer((request_id, INTERNAL_ERROR, _internal_error(exc)))
+            answer((request_id, INTERNAL_ERROR, encode_body(_internal_error(exc))))
         finally:
             running.pop(request_id, None)
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Literal
 
+from app.domain.results import Body
 from app.engine.execution import Executor
 from app.engine.serving import EngineDead, Serving
 
@@ -45,7 +46,7 @@ class LiveEngine:
         self.state = "ok"
         return self._serving
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
         await self._open.wait()
         self._shared_in_flight += 1
         self._drained.clear()
@@ -56,7 +57,7 @@ class LiveEngine:
             if self._shared_in_flight == 0:
                 self._drained.set()
 
-    async def _call(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def _call(self, endpoint: str, body: dict) -> tuple[int, Body]:
         if self._serving is None or self.state != "ok":
             raise EngineDead("the engine is not running")
         return await self._serving.execute(endpoint, body)
@@ -114,5 +115,5 @@ class _Isolated:
     def __init__(self, engine: LiveEngine) -> None:
         self._engine = engine
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
         return await self._engine._call(endpoint, body)

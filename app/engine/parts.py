@@ -69,7 +69,8 @@ class ResultSink:
                     self.progress.completed += 1
                 else:
                     self.progress.failed += 1
-                add_usage(self.progress, (record.get("response") or {}).get("body"))
+                body = (record.get("response") or {}).get("body") or {}
+                add_usage(self.progress, body.get("usage") or {})
 
     def record(self, position: int, outcome: Outcome) -> None:
         self.done.add(position)
@@ -79,7 +80,7 @@ class ResultSink:
         else:
             self.errors.add(line_for(outcome))
             self.progress.failed += 1
-        add_usage(self.progress, outcome.body)
+        add_usage(self.progress, outcome.usage)
         if self.observe is not None:
             self.observe(outcome)
 

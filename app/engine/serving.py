@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
+from app.domain.results import Body
+
 log = logging.getLogger("vbatch.engine")
 
 
@@ -32,7 +34,7 @@ class Serving(Protocol):
     @property
     def served_models(self) -> list[str]: ...
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
         """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone."""
         ...
 
@@ -96,7 +98,7 @@ class _Poisoned:
     def metrics_text(self) -> bytes:
         return self._serving.metrics_text()
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
         if body.get("user") == self._poison_user:
             _kill_engine_core()
         return await self._serving.execute(endpoint, body)

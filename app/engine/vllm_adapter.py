@@ -294,11 +294,13 @@ class _Launched:
 
 def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
     """Blocking: returns once the engine cores have shaken hands with every front end."""
-    import vllm.v1.engine.utils as engine_utils
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
     from vllm.v1.executor import Executor
-    from vllm.v1.utils import APIServerProcessManager
+
+    # Typed loosely: the launcher's signatures differ between the releases handled below.
+    engine_utils: Any = importlib.import_module("vllm.v1.engine.utils")
+    manager_class: Any = importlib.import_module("vllm.v1.utils").APIServerProcessManager
 
     engine_args = AsyncEngineArgs.from_cli_args(args)
     engine_args._api_process_count = count
@@ -306,12 +308,12 @@ def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
     config = engine_args.create_engine_config(usage_context=UsageContext.LLM_CLASS)
     executor = Executor.get_class(config)
     log_stats = not engine_args.disable_log_stats
-    common = {"listen_address": address, "sock": None, "args": args, "num_servers": count}
+    common: dict[str, Any] = {"listen_address": address, "sock": None, "args": args, "num_servers": count}
     common["target_server_fn"] = _frontend_main
     if hasattr(engine_utils, "bind_engine_zmq_listeners"):  # vLLM 0.32: the parent binds the listeners
         listeners = engine_utils.bind_engine_zmq_listeners(config, count)
         with engine_utils.launch_core_engines(config, executor, log_stats, listeners.addresses) as launch:
-            manager = APIServerProcessManager(
+            manager = manager_class(
                 **common,
                 input_listeners=listeners.inputs,
                 output_listeners=listeners.outputs,
@@ -324,7 +326,7 @@ def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
     addresses = engine_utils.get_engine_zmq_addresses(config, count, defer_api_server_ports=True)
     with engine_utils.launch_core_engines(config, executor, log_stats, addresses, count) as launched:
         engines, coordinator, addresses, tensor_queue = launched
-        manager = APIServerProcessManager(
+        manager = manager_class(
             **common,
             input_addresses=addresses.inputs,
             output_addresses=addresses.outputs,

@@ -1,0 +1,76 @@
+"""Front-end processes (`app.engine.frontends`): what several processes answer is byte for byte what one process
+answers, and a front end's death reaches the loop as an engine death. The fake engine's serving runs in real
+spawned processes behind a real `FrontendPool`; the end-to-end suite runs vLLM's behind two."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import json
+import os
+import re
+import signal
+
+import pytest
+
+from app.domain.results import error_outcome, http_outcome, line_for
+from app.engine.offline import run_file
+from app.engine.serving import EngineDead
+from app.testing import FakeEngine, fake_frontends
+from tests.helpers import jsonl, request_line
+
+IDS = re.compile(rb'"(batch_req_|req_)[0-9a-f]+"')
+
+
+def normalized(path) -> list[bytes]:
+    """The file's lines in custom_id order, with the ids that are random per line replaced."""
+    lines = [IDS.sub(rb'"\1*"', line) for line in path.read_bytes().splitlines()]
+    return sorted(lines, key=lambda line: json.loads(line)["custom_id"])
+
+
+def test_bodies_through_front_end_processes_are_those_of_one_process(tmp_path):
+    lines = [request_line(f"r{i}", max_tokens=-1 if i % 7 == 3 else 1 + i % 5) for i in range(60)]
+    source = tmp_path / "in.jsonl"
+    source.write_bytes(jsonl(lines))
+    outputs = {}
+    for name, factory in (("one", FakeEngine()), ("pool", functools.partial(fake_frontends, 2))):
+        output, errors = tmp_path / f"{name}.out", tmp_path / f"{name}.err"
+        assert asyncio.run(run_file(factory, input_path=source, output=output, errors=errors)) == 0
+        outputs[name] = (normalized(output), normalized(errors))
+    one_output, one_errors = outputs["one"]
+    assert len(one_output) == 51 and len(one_errors) == 9
+    assert outputs["pool"] == outputs["one"]
+
+
+def test_a_line_is_the_json_of_its_record():
+    body = {"id": "chatcmpl-1", "choices": [{"message": {"content": 'naïve ✓ "quoted"'}}], "usage": {}}
+    for outcome in (http_outcome("c-ü", 200, body), error_outcome("c-2", "batch_expired", "too late")):
+        line = line_for(outcome)
+        record = json.loads(line)
+        assert line == json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
+    assert json.loads(line_for(http_outcome("c", 200, body)))["response"]["body"] == body
+
+
+def test_an_engine_death_in_a_front_end_reaches_the_caller():
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            assert await pool.is_alive()
+            answers = await asyncio.gather(*(pool.execute("/v1/chat/completions", {"n": i}) for i in range(20)))
+            assert [status for status, _ in answers] == [200] * 20
+            with pytest.raises(EngineDead):
+                await pool.execute("/v1/chat/completions", {"seed": 1})
+
+    asyncio.run(scenario())
+
+
+def test_a_front_end_process_that_dies_is_an_engine_death():
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            victim = pool._frontends[0].process
+            os.kill(victim.pid, signal.SIGKILL)
+            await asyncio.to_thread(victim.join, 30)
+            assert not await pool.is_alive()
+            status, _ = await pool.execute("/v1/chat/completions", {"n": 1})  # the other one still answers
+            assert status == 200
+
+    asyncio.run(scenario())
