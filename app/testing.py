@@ -35,15 +35,17 @@ class FakeExecutor:
         self.calls = 0
         self.generated = 0  # completion tokens answered so far
         self.bodies: list[dict] = []
+        self.ranks: list[int | None] = []  # the data-parallel rank each call was pinned to
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
         self.answer_first: int | None = None
         self.gate = asyncio.Event()
         # Called with each body just before its answer is returned (on the engine thread).
         self.before_answer: Callable[[dict], None] | None = None
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         self.calls += 1
         self.bodies.append(body)
+        self.ranks.append(rank)
         if self.answer_first is not None and self.calls > self.answer_first:
             try:
                 await self.gate.wait()
@@ -97,8 +99,8 @@ class FakeServing:
             + (f"fake_engine_requests_total {self.executor.generated}\n".encode())
         )
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
-        return await self.executor.execute(endpoint, body)
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+        return await self.executor.execute(endpoint, body, rank)
 
 
 class FakeEngine:

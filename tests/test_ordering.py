@@ -7,7 +7,7 @@ from collections import Counter
 
 from app.domain.input_index import PREFIX_CHARS, InputIndex
 from app.domain.validation import Limits, validate_file
-from app.engine.ordering import ordered_lines, plan
+from app.engine.ordering import ordered_lines, pin_to_ranks, plan
 from tests.helpers import create_batch, jsonl, read_jsonl, upload, wait_status
 
 INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABCD"}
@@ -64,7 +64,7 @@ def test_ordered_lines_follow_the_plan_and_skip_done(tmp_path):
     groups = plan(index)
 
     async def collect() -> list[str]:
-        return [r["custom_id"] async for _, r in ordered_lines(path, index, groups, skip={0})]
+        return [r["custom_id"] async for _, r, _ in ordered_lines(path, index, groups, skip={0})]
 
     planned = [lines[p]["custom_id"] for g in groups for p in g.positions if p != 0]
     assert asyncio.run(collect()) == planned and "A0" not in planned
@@ -79,3 +79,39 @@ def test_service_feeds_lines_in_plan_order_and_nothing_else(client, fake_engine)
     assert fake_engine.executor.calls == len(lines) == done["request_counts"]["completed"]
     sent = [b["messages"][0]["content"] for b in fake_engine.executor.bodies]
     assert [text[:6] for text in sent[:12]] == ["Task A"] * 6 + ["Task B"] * 6
+
+
+def test_each_shared_prefix_group_is_pinned_to_one_rank_largest_first(tmp_path):
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(jsonl(interleaved()))
+    groups = plan(indexed(path))
+    pin_to_ranks(groups, 1)
+    assert [g.rank for g in groups] == [None] * 5  # one rank: the engine places every line
+    pin_to_ranks(groups, 2)
+    # A (6 lines) and B (6) on ranks of their own; D (2) on the rank with fewer lines; lines without one unpinned.
+    assert [(g.shared_prefix, len(g.positions), g.rank) for g in groups] == [
+        (True, 6, 0), (True, 6, 1), (False, 2, None), (True, 2, 0), (False, 5, None),
+    ]  # fmt: skip
+
+
+def test_the_service_sends_a_groups_lines_to_its_rank(settings):
+    from fastapi.testclient import TestClient
+
+    from app.engine.service import EngineService
+    from app.main import create_app
+    from app.testing import FakeEngine
+
+    engine = FakeEngine(data_parallel_size=2)
+    lines = interleaved()
+    with TestClient(create_app(settings, EngineService(engine))) as client:
+        done = wait_status(client, create_batch(client, upload(client, jsonl(lines))["id"])["id"], {"completed"})
+    assert done["request_counts"]["completed"] == len(lines)
+    rank_of = {
+        b["messages"][0]["content"]: r for b, r in zip(engine.executor.bodies, engine.executor.ranks, strict=True)
+    }
+    ranks_by_task: dict[str, set] = {}
+    for line in lines:
+        content = line["body"]["messages"][0]["content"]
+        task = line["custom_id"][0] if line["custom_id"][0] in "ABCD" else "none"
+        ranks_by_task.setdefault(task, set()).add(rank_of[content])
+    assert ranks_by_task == {"A": {0}, "B": {1}, "D": {0}, "C": {None}, "none": {None}}

@@ -28,6 +28,8 @@ class Context:
     max_in_flight: int
     # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
     wave: int
+    # Data-parallel ranks: each shared-prefix group is pinned to one (`app.engine.ordering.pin_to_ranks`).
+    ranks: int
     slots: asyncio.Semaphore
     metrics: Metrics
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.

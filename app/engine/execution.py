@@ -14,10 +14,11 @@ from app.domain.results import Body, Outcome, http_outcome
 
 
 class Executor(Protocol):
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]: ...
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]: ...
 
 
-Line = tuple[int, dict]
+# (position, request, data-parallel rank or None)
+Line = tuple[int, dict, int | None]
 OnOutcome = Callable[[int, Outcome], None]
 
 
@@ -59,9 +60,9 @@ async def run_lines(
                 line = await next_line()
                 if line is None:
                     return
-                number, request = line
+                number, request, rank = line
                 sent.add(number)
-                status, body = await executor.execute(endpoint, request["body"])
+                status, body = await executor.execute(endpoint, request["body"], rank)
                 if _being_cancelled():
                     # vLLM's handlers turn an abort into a "client disconnected" error body; that request did
                     # not finish, so it gets no line here (cancel and expiry write theirs).

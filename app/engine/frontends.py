@@ -115,12 +115,12 @@ class FrontendPool:
         self._socket.close(linger=0)
         self._context.term()
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         frontend = self._least_busy()
         request_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()
         frontend.pending[request_id] = answer
-        frontend.outbox.append(("run", request_id, endpoint, body))
+        frontend.outbox.append(("run", request_id, endpoint, body, rank))
         self._wake.set()
         try:
             return await answer
@@ -227,9 +227,9 @@ async def serve(serving: Serving, address: str, index: int) -> None:
         answers.append(item)
         wake.set()
 
-    async def run(request_id: int, endpoint: str, body: dict) -> None:
+    async def run(request_id: int, endpoint: str, body: dict, rank: int | None) -> None:
         try:
-            status, result = await serving.execute(endpoint, body)
+            status, result = await serving.execute(endpoint, body, rank)
             answer((request_id, status, result if isinstance(result, EncodedBody) else encode_body(result)))
         except EngineDead as exc:
             answer((request_id, None, str(exc)))
@@ -276,7 +276,7 @@ async def serve(serving: Serving, address: str, index: int) -> None:
             for item in pickle.loads(receiving.result()):
                 kind, request_id = item[0], item[1]
                 if kind == "run":
-                    running[request_id] = asyncio.create_task(run(request_id, item[2], item[3]))
+                    running[request_id] = asyncio.create_task(run(request_id, *item[2:]))
                 elif kind == "abort":
                     task = running.pop(request_id, None)
                     if task is not None:

@@ -46,21 +46,21 @@ class LiveEngine:
         self.state = "ok"
         return self._serving
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         await self._open.wait()
         self._shared_in_flight += 1
         self._drained.clear()
         try:
-            return await self._call(endpoint, body)
+            return await self._call(endpoint, body, rank)
         finally:
             self._shared_in_flight -= 1
             if self._shared_in_flight == 0:
                 self._drained.set()
 
-    async def _call(self, endpoint: str, body: dict) -> tuple[int, Body]:
+    async def _call(self, endpoint: str, body: dict, rank: int | None) -> tuple[int, Body]:
         if self._serving is None or self.state != "ok":
             raise EngineDead("the engine is not running")
-        return await self._serving.execute(endpoint, body)
+        return await self._serving.execute(endpoint, body, rank)
 
     def generated_tokens(self) -> int | None:
         serving = self._serving
@@ -115,5 +115,5 @@ class _Isolated:
     def __init__(self, engine: LiveEngine) -> None:
         self._engine = engine
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
-        return await self._engine._call(endpoint, body)
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
+        return await self._engine._call(endpoint, body, rank)

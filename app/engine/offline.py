@@ -14,7 +14,7 @@ from app.domain.input_index import InputIndex
 from app.domain.results import Outcome
 from app.domain.validation import Limits, numbered_lines, validate_file
 from app.engine.execution import run_lines
-from app.engine.ordering import ordered_lines, plan
+from app.engine.ordering import ordered_lines, pin_to_ranks, plan
 from app.engine.parts import ResultSink
 from app.engine.serving import EngineFactory, Serving, engine_wave
 
@@ -99,6 +99,7 @@ async def _run(
     in_flight = engine_wave(serving) * 2
     try:
         groups = await asyncio.to_thread(plan, index)
+        pin_to_ranks(groups, serving.data_parallel_size)
         await run_lines(
             ordered_lines(input_path, index, groups, skip=sink.done),
             executor=serving,

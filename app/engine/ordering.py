@@ -6,6 +6,10 @@ prefix between two of its lines and compute it again (docs/benchmarks.md, "prefi
 No warm-up request leads a group: measured on vLLM 0.26, lines of a group sent together already reach the
 cache-hit ceiling, and awaiting a warm-up stalled the feed once per group.
 
+With several data-parallel ranks, each shared-prefix group is pinned to one rank (`pin_to_ranks`), so the rank
+that computed its prefix serves the rest of it from its own cache; lines without a shared prefix are left to the
+engine's own balancing.
+
 Planning reads only the input index (`app.domain.input_index`): the digests validation computed, not the file.
 """
 
@@ -25,6 +29,7 @@ MIN_GROUP = 2
 class Group:
     shared_prefix: bool
     positions: array = field(default_factory=lambda: array("q"))  # positions in the input index
+    rank: int | None = None  # the data-parallel rank its lines run on (None: any)
 
 
 def plan(index: InputIndex) -> list[Group]:
@@ -49,10 +54,22 @@ def plan(index: InputIndex) -> list[Group]:
     return groups
 
 
+def pin_to_ranks(groups: list[Group], ranks: int) -> None:
+    """Each shared-prefix group to one rank, the largest first, each to the rank with the fewest lines so far."""
+    if ranks <= 1:
+        return
+    load = [0] * ranks
+    for group in sorted((g for g in groups if g.shared_prefix), key=lambda g: -len(g.positions)):
+        rank = load.index(min(load))
+        group.rank = rank
+        load[rank] += len(group.positions)
+
+
 async def ordered_lines(
     path: Path, index: InputIndex, groups: list[Group], *, skip: Collection[int]
-) -> AsyncIterator[tuple[int, dict]]:
-    """(position, request) in planned order, each read by its offset, leaving out the positions in `skip`."""
-    planned = (position for group in groups for position in group.positions if position not in skip)
-    for position, request in index.requests(path, planned):
-        yield position, request
+) -> AsyncIterator[tuple[int, dict, int | None]]:
+    """(position, request, rank) in planned order, each read by its offset, leaving out the positions in `skip`."""
+    planned = ((position, group.rank) for group in groups for position in group.positions if position not in skip)
+    with path.open("rb") as src:
+        for position, rank in planned:
+            yield position, index.read(src, position), rank

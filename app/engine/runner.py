@@ -31,7 +31,7 @@ from app.engine.execution import run_lines
 from app.engine.feed import Turn
 from app.engine.intake import end_without_input, load_index, validate
 from app.engine.meter import RunMeter
-from app.engine.ordering import Group, ordered_lines, plan
+from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import Checkpoint, ResultSink
 from app.engine.serving import EngineDead
 
@@ -198,6 +198,7 @@ class BatchRun:
     async def _work(self, first_turn: Turn) -> None:
         """Every pending line to the engine; after an engine death, the lines it took with it first."""
         groups = await asyncio.to_thread(plan, self.index)
+        pin_to_ranks(groups, self.ctx.ranks)
         self.meter.mark("planned")
         suspects: list[int] = []
         turn: Turn | None = first_turn
@@ -282,9 +283,9 @@ class BatchRun:
         message = f"The engine died {deaths} times while running this request alone; it was not retried."
         self.sink.record(position, error_outcome(self.index.custom_ids[position], ENGINE_CRASH_CODE, message))
 
-    async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict]]:
+    async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict, int | None]]:
         for position, request in self.index.requests(self.input_path, positions):
-            yield position, request
+            yield position, request, None
 
     def _record(self, position: int, outcome: Outcome) -> None:
         self.sink.record(position, outcome)

@@ -147,6 +147,7 @@ class EngineService:
             served_models=self.served_models,
             max_in_flight=max_in_flight,
             wave=wave,
+            ranks=max(1, serving.data_parallel_size),
             slots=asyncio.Semaphore(max_in_flight),
             metrics=self.metrics,
         )

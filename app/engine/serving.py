@@ -34,8 +34,9 @@ class Serving(Protocol):
     @property
     def served_models(self) -> list[str]: ...
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
-        """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone."""
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
+        """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone.
+        `rank`: the data-parallel rank to run it on (None: the engine's own balancing)."""
         ...
 
     async def is_alive(self) -> bool: ...
@@ -98,10 +99,10 @@ class _Poisoned:
     def metrics_text(self) -> bytes:
         return self._serving.metrics_text()
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, Body]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         if body.get("user") == self._poison_user:
             _kill_engine_core()
-        return await self._serving.execute(endpoint, body)
+        return await self._serving.execute(endpoint, body, rank)
 
 
 def _kill_engine_core() -> None:

@@ -23,6 +23,7 @@ from typing import Any
 
 import vllm
 from starlette.datastructures import State
+from starlette.requests import Request
 
 from app.engine import frontends
 from app.engine.serving import EngineDead, EngineFactory
@@ -146,7 +147,7 @@ class ServingLayer:
         response = self._create_error_response(exc)
         return response.error.code, response.model_dump(mode="json")
 
-    async def execute(self, endpoint: str, body: dict) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         """(HTTP status, JSON body) exactly as `vllm serve` would answer this body at this endpoint."""
         handler = self._handlers.get(endpoint)
         if handler is None:
@@ -156,7 +157,7 @@ class ServingLayer:
         except ValueError as exc:
             return self._error(exc)
         try:
-            result = await handler.call(request, None)
+            result = await handler.call(request, None if rank is None else _pinned_request(endpoint, rank))
         except self._dead_error as exc:
             raise EngineDead(str(exc)) from exc
         except Exception as exc:
@@ -189,6 +190,19 @@ class ServingLayer:
         except Exception:
             return False
         return not getattr(self.engine_client, "errored", False)
+
+
+def _pinned_request(endpoint: str, rank: int) -> Request:
+    """The HTTP request a handler reads its data-parallel rank from, as `vllm serve` takes it from a client's
+    `X-data-parallel-rank` header; its client never disconnects."""
+
+    async def never() -> dict:
+        await asyncio.Event().wait()
+        return {}
+
+    headers = [(b"x-data-parallel-rank", str(rank).encode())]
+    scope = {"type": "http", "method": "POST", "path": endpoint, "query_string": b"", "headers": headers}
+    return Request(scope, receive=never)
 
 
 def _embedding_request_type(serving: Any) -> type:
