@@ -13,7 +13,7 @@ import signal
 
 import pytest
 
-from app.domain.results import error_outcome, http_outcome, line_for
+from app.domain.results import error_outcome, http_outcome, line_for, rendered_body
 from app.engine.offline import run_file
 from app.engine.serving import EngineDead
 from app.testing import FakeEngine, fake_frontends
@@ -49,6 +49,17 @@ def test_a_line_is_the_json_of_its_record():
         record = json.loads(line)
         assert line == json.dumps(record, ensure_ascii=False, separators=(",", ":")).encode() + b"\n"
     assert json.loads(line_for(http_outcome("c", 200, body)))["response"]["body"] == body
+
+
+def test_a_rendered_body_is_kept_as_sent_and_its_usage_read():
+    body = {"object": "list", "data": [{"embedding": [0.1, -2e-05, 3.0], "index": 0}], "usage": {"prompt_tokens": 4}}
+    for rendered in (json.dumps(body).encode(), json.dumps(body, separators=(",", ":")).encode()):
+        encoded = rendered_body(rendered)
+        assert encoded.json == rendered and encoded.usage == {"prompt_tokens": 4}
+        assert json.loads(line_for(http_outcome("e", 200, encoded)))["response"]["body"] == body
+    indented = rendered_body(json.dumps(body, indent=2).encode())  # not one line: encoded anew
+    assert b"\n" not in indented.json and json.loads(indented.json) == body and indented.usage == {"prompt_tokens": 4}
+    assert rendered_body(b'{"usage": null, "x": 1}').usage == {}
 
 
 def test_an_engine_death_in_a_front_end_reaches_the_caller():

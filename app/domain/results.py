@@ -26,6 +26,22 @@ def encode_body(body: dict) -> EncodedBody:
     return EncodedBody(_compact(body), body.get("usage") or {})
 
 
+def rendered_body(data: bytes) -> EncodedBody:
+    """A body the handler answered as JSON text (vLLM's pooling handlers render their own response): kept byte for
+    byte, as `vllm serve` sends it, so an embedding's floats are not parsed and printed again. Its usage is read
+    from the end, where vLLM puts it, or else from the whole; text that is not one line is encoded anew."""
+    if b"\n" not in data and b"\r" not in data:
+        at = data.rfind(b'"usage":')
+        try:
+            usage = json.loads(data[at + len(b'"usage":') : -1]) if at != -1 else None
+        except ValueError:
+            usage = None
+        if isinstance(usage, dict):
+            return EncodedBody(data, usage)
+    body = json.loads(data)
+    return EncodedBody(_compact(body), (body.get("usage") if isinstance(body, dict) else None) or {})
+
+
 # What an executor answers: a body as the serving layer made it, or one a front-end process encoded.
 Body = dict | EncodedBody
 
@@ -100,7 +116,7 @@ def line_for(outcome: Outcome) -> bytes:
     )
 
 
-def _compact(value: dict) -> bytes:
+def _compact(value: object) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
 
 

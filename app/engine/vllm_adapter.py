@@ -11,7 +11,6 @@ import asyncio
 import functools
 import importlib
 import inspect
-import json
 import os
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import vllm
 from starlette.datastructures import State
 from starlette.requests import Request
 
+from app.domain.results import Body, rendered_body
 from app.engine import frontends
 from app.engine.serving import EngineDead, EngineFactory
 
@@ -147,7 +147,7 @@ class ServingLayer:
         response = self._create_error_response(exc)
         return response.error.code, response.model_dump(mode="json")
 
-    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         """(HTTP status, JSON body) exactly as `vllm serve` would answer this body at this endpoint."""
         handler = self._handlers.get(endpoint)
         if handler is None:
@@ -164,11 +164,11 @@ class ServingLayer:
             return self._error(exc)
         return self._as_json(result)
 
-    def _as_json(self, result: Any) -> tuple[int, dict]:
+    def _as_json(self, result: Any) -> tuple[int, Body]:
         if isinstance(result, self._error_response_type):
             return result.error.code, result.model_dump(mode="json")
-        if hasattr(result, "status_code") and hasattr(result, "body"):  # a starlette Response (pooling)
-            return result.status_code, json.loads(result.body)
+        if hasattr(result, "status_code") and hasattr(result, "body"):  # a rendered Response (pooling)
+            return result.status_code, rendered_body(bytes(result.body))
         if hasattr(result, "model_dump"):
             return 200, result.model_dump(mode="json", by_alias=True)
         return self._error(ValueError("Streaming is not supported in a batch: remove 'stream'."))
