@@ -29,7 +29,8 @@ FAKE_MODEL = "fake-model"
 
 
 class FakeExecutor:
-    """Answers like a tiny chat model. `seed: 1` kills it, as a seeded request kills the CPU engine (FACTS.md)."""
+    """Answers like a tiny chat model. `seed: 1` kills it, as a seeded request kills the CPU engine (FACTS.md);
+    `stall: true` is never answered, as under an engine core that died without a word."""
 
     def __init__(self) -> None:
         self.calls = 0
@@ -54,6 +55,8 @@ class FakeExecutor:
                 return 400, _error_body("Client disconnected", "BadRequestError", None)
         if body.get("seed") == 1:
             raise EngineDead("engine core died")
+        if body.get("stall") is True:
+            await asyncio.Event().wait()
         if body.get("max_tokens", 1) < 0:
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
         self.generated += 1
@@ -127,30 +130,36 @@ class FakeEngine:
 @asynccontextmanager
 async def fake_frontends(count: int) -> AsyncIterator[frontends.FrontendPool]:
     """An engine factory (`app.engine.serving.EngineFactory`, with `functools.partial`): the fake engine's serving
-    in `count` front-end processes behind a `FrontendPool`, as `vbatch serve --api-server-count` runs vLLM's."""
+    in `count` front-end processes behind a `FrontendPool`, as `vbatch serve --api-server-count` runs vLLM's, and a
+    process that stands for the engine core (kill it to kill the engine)."""
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vbatch-fake-fe-") as folder:
         address = f"ipc://{folder}/pool"
         processes = [spawn.Process(target=_fake_frontend, args=(address, i), daemon=True) for i in range(count)]
+        core = spawn.Process(target=_fake_engine_core, name="EngineCore", daemon=True)
         pool = frontends.FrontendPool(
             address=address,
             processes=processes,
+            engine_processes=[core],
             max_num_seqs=FakeServing.max_num_seqs,
             data_parallel_size=1,
-            engine_alive=lambda: True,
             generated_tokens=lambda: None,
             metrics_text=lambda: b"",
         )
-        for process in processes:
+        for process in [core, *processes]:
             process.start()
         try:
             await pool.open(timeout=120)
             yield pool
         finally:
             await pool.close()
-            for process in processes:
+            for process in [core, *processes]:
                 process.kill()
                 process.join()
+
+
+def _fake_engine_core() -> None:
+    signal.pause()
 
 
 def _fake_frontend(address: str, index: int) -> None:
@@ -220,6 +229,14 @@ class VbatchServer:
 
         children = psutil.Process(self.process.pid).children(recursive=True)
         return [child.pid for child in children if "EngineCore" in child.name()]
+
+    def frontend_pids(self) -> list[int]:
+        """Front-end processes (`--api-server-count`): vLLM names them by the title vbatch gives them."""
+        import psutil
+
+        children = psutil.Process(self.process.pid).children(recursive=True)
+        # The name is cut at 15 characters: "VLLM::VbatchFro".
+        return [child.pid for child in children if "VbatchFro" in child.name()]
 
     def stop(self) -> None:
         if self.log.closed:

@@ -85,3 +85,18 @@ def test_a_front_end_process_that_dies_is_an_engine_death():
             assert status == 200
 
     asyncio.run(scenario())
+
+
+def test_an_engine_core_that_exits_fails_what_is_in_flight():
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            stalled = asyncio.ensure_future(pool.execute("/v1/chat/completions", {"stall": True}))
+            [core] = pool._engine_processes
+            os.kill(core.pid, signal.SIGKILL)
+            with pytest.raises(EngineDead):
+                await asyncio.wait_for(stalled, 30)
+            assert not await pool.is_alive()
+            with pytest.raises(EngineDead):
+                await pool.execute("/v1/chat/completions", {"n": 1})
+
+    asyncio.run(scenario())

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import itertools
 import logging
 import os
 import pickle
+import signal
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -35,7 +37,8 @@ from app.engine.serving import EngineDead, Serving
 
 log = logging.getLogger("vbatch.engine")
 
-READY_TIMEOUT_SECONDS = 600.0
+# From the engine's handshake to every front end's serving layer: about 30 s on 2 CPU cores, 6 s on an H200 host.
+READY_TIMEOUT_SECONDS = 120.0
 HEALTH_TIMEOUT_SECONDS = 30.0
 # A body the serving layer raised on, as vLLM's own exception handler answers it.
 INTERNAL_ERROR = 500
@@ -45,6 +48,10 @@ def default_count(cpu_count: int | None) -> int:
     """Front-end processes when the user names none: half the cores less one, leaving the rest to the engine core,
     its workers and the API; one (no extra processes) on small hosts."""
     return max(1, min(8, (cpu_count or 1) // 2 - 1))
+
+
+class NotReady(RuntimeError):
+    """The front ends did not all report ready in time."""
 
 
 @dataclass
@@ -65,16 +72,19 @@ class FrontendPool:
         *,
         address: str,
         processes: Sequence[BaseProcess],
+        engine_processes: Sequence[BaseProcess],
         max_num_seqs: int,
         data_parallel_size: int,
-        engine_alive: Callable[[], bool],
         generated_tokens: Callable[[], int | None],
         metrics_text: Callable[[], bytes],
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.data_parallel_size = data_parallel_size
         self.served_models: list[str] = []
-        self._engine_alive = engine_alive
+        # The engine cores are not the front ends' children: their clients would wait for them for ever, so the
+        # pool watches them and fails what is in flight when one exits, as `vllm serve` stops when one does.
+        self._engine_processes = list(engine_processes)
+        self._engine_lost = False
         self._generated_tokens = generated_tokens
         self._metrics_text = metrics_text
         self._frontends = [_Frontend(i, p) for i, p in enumerate(processes)]
@@ -94,17 +104,22 @@ class FrontendPool:
         loop = asyncio.get_running_loop()
         for frontend in self._frontends:
             loop.add_reader(frontend.process.sentinel, self._lost, frontend)
+        for process in self._engine_processes:
+            loop.add_reader(process.sentinel, self._engine_exited, process)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send())]
         try:
             await asyncio.wait_for(self._ready.wait(), timeout)
         except TimeoutError:
-            raise RuntimeError(f"front-end processes not ready within {timeout:.0f} s") from None
-        if not all(f.alive for f in self._frontends):
-            raise RuntimeError("a front-end process exited while starting")
+            raise NotReady(f"front-end processes not ready within {timeout:.0f} s") from None
+        if self._engine_lost or not all(f.alive for f in self._frontends):
+            raise RuntimeError("a front-end or engine process exited while starting")
         log.info("%d front-end processes ready", len(self._frontends))
 
     async def close(self) -> None:
         loop = asyncio.get_running_loop()
+        for process in self._engine_processes:
+            with contextlib.suppress(Exception):
+                loop.remove_reader(process.sentinel)
         for frontend in self._frontends:
             with contextlib.suppress(Exception):
                 loop.remove_reader(frontend.process.sentinel)
@@ -131,7 +146,7 @@ class FrontendPool:
             raise
 
     async def is_alive(self) -> bool:
-        if not self._engine_alive() or not all(f.alive for f in self._frontends):
+        if self._engine_lost or not all(f.alive for f in self._frontends):
             return False
         checks = [self._ask_health(f) for f in self._frontends]
         try:
@@ -147,6 +162,8 @@ class FrontendPool:
         return self._metrics_text()
 
     def _least_busy(self) -> _Frontend:
+        if self._engine_lost:
+            raise EngineDead("the engine core exited")
         live = [f for f in self._frontends if f.alive]
         if not live:
             raise EngineDead("every front-end process is gone")
@@ -202,6 +219,18 @@ class FrontendPool:
             log.error("front-end process %d exited (code %s)", frontend.index, frontend.process.exitcode)
         self._fail(frontend, EngineDead(f"front-end process {frontend.index} exited"))
         self._ready.set()  # a start that waits for it fails now, not at its timeout
+
+    def _engine_exited(self, process: BaseProcess) -> None:
+        with contextlib.suppress(Exception):
+            asyncio.get_running_loop().remove_reader(process.sentinel)
+        log.error("engine process %s exited (code %s)", process.name, process.exitcode)
+        self._engine_lost = True
+        for frontend in self._frontends:
+            pending, frontend.pending = frontend.pending, {}
+            for answer in pending.values():
+                if not answer.done():
+                    answer.set_exception(EngineDead(f"engine process {process.name} exited"))
+        self._ready.set()
 
     @staticmethod
     def _fail(frontend: _Frontend, error: EngineDead) -> None:
@@ -263,6 +292,7 @@ async def serve(serving: Serving, address: str, index: int) -> None:
                 batch, answers = answers, []
                 await socket.send(pickle.dumps(("done", batch), protocol=5))
 
+    log.info("front end %d: serving layer ready", index)
     sender = asyncio.create_task(send())
     watch = asyncio.create_task(orphaned())
     await socket.send(pickle.dumps(("ready", index, serving.served_models), protocol=5))
@@ -290,6 +320,18 @@ async def serve(serving: Serving, address: str, index: int) -> None:
             task.cancel()
         socket.close(linger=0)
         context.term()
+
+
+def watch_for_stack_dumps() -> None:
+    """`kill -USR1` of a front end logs what each of its tasks waits on: a front end that hangs says where."""
+
+    def dump() -> None:
+        for task in asyncio.all_tasks():
+            stack = io.StringIO()
+            task.print_stack(file=stack)
+            log.warning("front end task %s:\n%s", task.get_name(), stack.getvalue())
+
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
 
 
 def _internal_error(exc: Exception) -> dict[str, Any]:

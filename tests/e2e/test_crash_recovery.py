@@ -245,3 +245,32 @@ def test_engine_death_poison_line_and_sigterm(lineage):
     assert batch.status == "completed"
     check_exactly_once(client, batch, 16, finished_at_stop)
     print(f"SIGTERM to exit: {exit_seconds:.1f} s")
+
+
+def test_behind_two_front_end_processes_an_engine_death_and_a_cancel(lineage):
+    """The same engine behind two front-end processes (`--api-server-count 2`): an engine core killed mid-run is
+    restarted with its front ends and the batch completes, each line once; a cancel ends the next batch."""
+    lineage.flags += ["--api-server-count", "2"]
+    server = lineage.start(failpoint="hold_after:4")
+    client = lineage.client()
+    assert len(server.frontend_pids()) == 2
+    with holding(lineage.data_dir):  # at most 4 lines sent: the kill is certain to land mid-run
+        killed = create(client, request_lines(16))
+        seen = lineage.wait_partial(killed, at_least=2)
+        [core] = server.engine_core_pids()
+        os.kill(core, signal.SIGKILL)
+    batch = wait_done(client, killed)
+    assert batch.status == "completed"
+    check_exactly_once(client, batch, 16, seen)
+    assert server.engine_core_pids() != [core] and len(server.frontend_pids()) == 2
+
+    with holding(lineage.data_dir):
+        cancelled = create(client, request_lines(16))
+        lineage.wait_partial(cancelled, at_least=2)
+        client.batches.cancel(cancelled)
+        batch = wait_done(client, cancelled)
+    assert batch.status == "cancelled"
+    finished = results(client, batch.output_file_id)
+    unfinished = results(client, batch.error_file_id)
+    assert Counter(r["custom_id"] for r in finished + unfinished) == Counter(f"req-{i}" for i in range(16))
+    assert 2 <= len(finished) < 16
