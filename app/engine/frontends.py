@@ -97,7 +97,6 @@ class FrontendPool:
         self._ready = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
-        self._health: dict[int, asyncio.Future] = {}
 
     async def open(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Returns once every front end has its engine client and serving layer; raises if one dies first."""
@@ -226,10 +225,7 @@ class FrontendPool:
         log.error("engine process %s exited (code %s)", process.name, process.exitcode)
         self._engine_lost = True
         for frontend in self._frontends:
-            pending, frontend.pending = frontend.pending, {}
-            for answer in pending.values():
-                if not answer.done():
-                    answer.set_exception(EngineDead(f"engine process {process.name} exited"))
+            self._fail(frontend, EngineDead(f"engine process {process.name} exited"))
         self._ready.set()
 
     @staticmethod
