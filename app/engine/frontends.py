@@ -115,13 +115,10 @@ class FrontendPool:
         log.info("%d front-end processes ready", len(self._frontends))
 
     async def close(self) -> None:
-        loop = asyncio.get_running_loop()
         for process in self._engine_processes:
-            with contextlib.suppress(Exception):
-                loop.remove_reader(process.sentinel)
+            _unwatch(process)
         for frontend in self._frontends:
-            with contextlib.suppress(Exception):
-                loop.remove_reader(frontend.process.sentinel)
+            _unwatch(frontend.process)
             self._fail(frontend, EngineDead("the front ends are stopping"))
         for task in self._tasks:
             task.cancel()
@@ -212,16 +209,14 @@ class FrontendPool:
             self._ready.set()
 
     def _lost(self, frontend: _Frontend) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(frontend.process.sentinel)
+        _unwatch(frontend.process)
         if frontend.alive:
             log.error("front-end process %d exited (code %s)", frontend.index, frontend.process.exitcode)
         self._fail(frontend, EngineDead(f"front-end process {frontend.index} exited"))
         self._ready.set()  # a start that waits for it fails now, not at its timeout
 
     def _engine_exited(self, process: BaseProcess) -> None:
-        with contextlib.suppress(Exception):
-            asyncio.get_running_loop().remove_reader(process.sentinel)
+        _unwatch(process)
         log.error("engine process %s exited (code %s)", process.name, process.exitcode)
         self._engine_lost = True
         for frontend in self._frontends:
@@ -235,6 +230,12 @@ class FrontendPool:
         for answer in pending.values():
             if not answer.done():
                 answer.set_exception(error)
+
+
+def _unwatch(process: BaseProcess) -> None:
+    """Stop watching a process's exit (it has been seen, or the pool is closing)."""
+    with contextlib.suppress(Exception):
+        asyncio.get_running_loop().remove_reader(process.sentinel)
 
 
 async def serve(serving: Serving, address: str, index: int) -> None:
