@@ -117,7 +117,7 @@ def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], re
         report.add("line_too_large", f"This line is larger than {limits.max_line_bytes} bytes.", line=number)
         return None
     request = _parse(line)
-    problem = _syntax_problem(request) or _shape_problem(request, limits)
+    problem = _syntax_problem(request, line) or _shape_problem(request, limits)
     if problem is not None:
         code, message, param = problem
         report.add(code, message, line=number, param=param)
@@ -156,6 +156,11 @@ def _parse(line: bytes) -> object:
         return _Unparsed.NOT_JSON
 
 
+def _may_nest_too_deep(line: bytes) -> bool:
+    """Each level of nesting opens a bracket: a line with few (every real request) needs no walk of its tree."""
+    return line.count(b"{") + line.count(b"[") > MAX_JSON_DEPTH
+
+
 def _depth(value: object) -> int:
     """Nesting depth of parsed JSON, without recursion."""
     deepest, stack = 0, [(value, 1)]
@@ -171,14 +176,14 @@ def _depth(value: object) -> int:
 Problem = tuple[str, str, str | None]
 
 
-def _syntax_problem(request: object) -> Problem | None:
+def _syntax_problem(request: object, line: bytes) -> Problem | None:
     if request is _Unparsed.NOT_UTF8:
         return "invalid_utf8", "This line is not valid UTF-8 text.", None
     if request is _Unparsed.NOT_JSON:
         return "invalid_json_line", "This line is not parseable as valid JSON.", None
     if not isinstance(request, dict):
         return "invalid_json_line", "Each line must be a JSON object (a request), not another JSON value.", None
-    if _depth(request) > MAX_JSON_DEPTH:
+    if _may_nest_too_deep(line) and _depth(request) > MAX_JSON_DEPTH:
         return "nesting_too_deep", f"This line nests JSON deeper than {MAX_JSON_DEPTH} levels.", None
     unknown = sorted(set(request) - set(REQUEST_FIELDS))
     if unknown:
