@@ -88,6 +88,12 @@ class FakeServing:
     def __init__(self, executor: FakeExecutor) -> None:
         self.executor = executor
         self.served_models = [FAKE_MODEL]
+        self.engine_config: dict[str, object] = {
+            "max_model_len": 2048,
+            "max_num_seqs": self.max_num_seqs,
+            "enable_prefix_caching": True,
+            "data_parallel_size": self.data_parallel_size,
+        }
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
     async def is_alive(self) -> bool:

@@ -9,7 +9,8 @@ import pathlib
 from collections import Counter
 
 from app.domain.batches import Progress
-from app.engine.meter import RunMeter
+from app.engine import meter as meter_module
+from app.engine.meter import MAX_SAMPLES, RunMeter
 from app.engine.offline import run_file
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -92,11 +93,12 @@ def test_progress_is_live_while_running_and_keeps_the_timeline_after(client, fak
     assert running["eta_seconds"] is None
     assert running["output_tokens_per_second"] > 0 and running["requests_per_second"] > 0
     assert {"planned", "first_result"} <= set(running["timeline"])
+    assert all(len(point) == 3 for point in running["series"])
     fake_engine.executor.gate.set()
     wait_status(client, batch["id"], {"completed"})
     ended = client.get(f"/v1/batches/{batch['id']}/progress").json()
     assert ended["status"] == "completed" and ended["request_counts"]["completed"] == 20
-    assert ended["requests_per_second"] is None and ended["eta_seconds"] is None
+    assert ended["requests_per_second"] is None and ended["eta_seconds"] is None and ended["series"] == []
     stages = ended["timeline"]
     assert set(stages) == {"planned", "first_result", "all_sent", "last_result", "published"}
     assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
@@ -118,6 +120,29 @@ def test_meter_gives_no_eta_before_a_wave_has_finished():
     )
     assert getattr(meter.stats(Progress(completed=9)), "eta_seconds", 0) is None
     assert getattr(meter.stats(Progress(completed=10)), "eta_seconds", None) is not None
+
+
+def test_meter_series_gives_each_steps_rates_and_stays_bounded(monkeypatch):
+    now, tokens = [100.0], [0]
+    monkeypatch.setattr(meter_module.time, "monotonic", lambda: now[0])
+    meter = RunMeter(total=10_000, wave=10, generated_tokens=lambda: tokens[0])
+    meter.begin(done_before=4)  # a resumed run: 4 lines were done before it
+    for (
+        at,
+        done,
+        generated,
+    ) in [(0.5, 8, 40), (1.0, 14, 100), (3.0, 34, 500)]:
+        now[0], tokens[0] = 100.0 + at, generated
+        meter.sample(Progress(completed=done))
+    # The point at 0.5 s came too soon after the start and is not kept.
+    assert meter.series() == [[1.0, 10.0, 100.0], [3.0, 10.0, 200.0]]
+    for step in range(4, 2000):
+        now[0] = 100.0 + step
+        meter.sample(Progress(completed=34 + step))
+    series = meter.series()
+    # Coarser steps, the same run: from its start to its last point, at the rate each step had.
+    assert len(series) <= MAX_SAMPLES and meter.samples[0].elapsed == 0.0 and series[-1][0] == 1999.0
+    assert all(requests_per_second == 1.0 for _, requests_per_second, _ in series[1:])
 
 
 def test_vbatch_run_resumes_from_its_own_output(tmp_path):

@@ -206,6 +206,7 @@ def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
         output_tokens_per_second=live.output_tokens_per_second if live else None,
         eta_seconds=live.eta_seconds if live else None,
         timeline=timeline,
+        series=live.series if live else [],
     )
 
 

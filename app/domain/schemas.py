@@ -104,6 +104,8 @@ class RunStats(BaseModel):
     # Seconds from the start of the batch's (last) run to each stage reached: planned, all_sent, first_result,
     # last_result, published.
     timeline: dict[str, float]
+    # [seconds into the run, requests/s, output tokens/s] for each step of about a second or more.
+    series: list[list[float]] = []
 
 
 class BatchProgress(BaseModel):
@@ -118,6 +120,9 @@ class BatchProgress(BaseModel):
     output_tokens_per_second: float | None
     eta_seconds: float | None
     timeline: dict[str, float] | None
+    # While it runs: [seconds into the run, requests/s, output tokens/s] for each step of about a second or more,
+    # the whole run at a step that grows with it. Empty once it has ended.
+    series: list[list[float]] = []
 
 
 class BatchList(BaseModel):

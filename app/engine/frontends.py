@@ -77,9 +77,11 @@ class FrontendPool:
         data_parallel_size: int,
         generated_tokens: Callable[[], int | None],
         metrics_text: Callable[[], bytes],
+        engine_config: dict[str, object] | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.data_parallel_size = data_parallel_size
+        self.engine_config = engine_config or {"max_num_seqs": max_num_seqs, "data_parallel_size": data_parallel_size}
         self.served_models: list[str] = []
         # The engine cores are not the front ends' children: their clients would wait for them for ever, so the
         # pool watches them and fails what is in flight when one exits, as `vllm serve` stops when one does.

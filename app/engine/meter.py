@@ -4,11 +4,25 @@ finished, and no ETA until one can be estimated."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from app.domain.batches import Progress
 from app.domain.schemas import RunStats
+
+# A run's rate history is kept at most this many points long: past it, every other point goes (the chart keeps the
+# whole run at a coarser step, in constant memory).
+MAX_SAMPLES = 480
+SAMPLE_SECONDS = 1.0
+
+
+@dataclass(frozen=True)
+class Sample:
+    elapsed: float
+    finished: int
+    tokens: int
 
 
 class RunMeter:
@@ -25,12 +39,37 @@ class RunMeter:
         # Seconds from the start of this run to each stage: where a batch's time went (planning, sending, the
         # engine, publishing).
         self.timeline: dict[str, float] = {}
+        self.samples: list[Sample] = []
 
     def begin(self, *, done_before: int) -> None:
         """The run starts sending, with `done_before` lines already done."""
         self.done_before = done_before
         self.started = time.monotonic()
         self._tokens_before = self._generated_tokens()
+        self.samples = [Sample(0.0, done_before, 0)]
+
+    def sample(self, progress: Progress) -> None:
+        """One point of the rate history (the console's chart); called on each checkpoint, kept a second apart."""
+        if self.done_before is None:
+            return
+        elapsed = self._elapsed()
+        if elapsed - self.samples[-1].elapsed < SAMPLE_SECONDS:
+            return
+        self.samples.append(Sample(elapsed, progress.completed + progress.failed, self._engine_tokens(progress)))
+        if len(self.samples) > MAX_SAMPLES:
+            self.samples = self.samples[::2]
+
+    def series(self) -> list[list[float]]:
+        """[seconds into the run, requests/s, output tokens/s] over each step between two samples."""
+        samples = self.samples  # the engine's thread may replace the list while the API's reads it
+        return [
+            [
+                now.elapsed,
+                round((now.finished - before.finished) / (now.elapsed - before.elapsed), 2),
+                round((now.tokens - before.tokens) / (now.elapsed - before.elapsed), 1),
+            ]
+            for before, now in itertools.pairwise(samples)
+        ]
 
     def mark(self, stage: str) -> None:
         self.timeline.setdefault(stage, self._elapsed())
@@ -65,4 +104,5 @@ class RunMeter:
             output_tokens_per_second=round(self._engine_tokens(progress) / elapsed, 1),
             eta_seconds=None if eta is None else round(eta, 1),
             timeline=dict(self.timeline),
+            series=self.series(),
         )

@@ -302,6 +302,7 @@ class BatchRun:
             if self._expired():
                 stop.set_result(BatchStatus.EXPIRED)
                 return
+            self.meter.sample(self.sink.progress)
             self._log_progress()
 
     def _log_progress(self) -> None:

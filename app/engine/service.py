@@ -46,6 +46,7 @@ class EngineService:
         self.model_name: str | None = None
         self.live = LiveEngine(self._start_engine, self._stop_engine)
         self.served_models: list[str] = []
+        self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self._stack = AsyncExitStack()
         self._thread: threading.Thread | None = None
@@ -161,6 +162,7 @@ class EngineService:
         self._stack = AsyncExitStack()
         serving = await self._stack.enter_async_context(self.factory())
         self.served_models = serving.served_models
+        self.engine_config = dict(serving.engine_config)
         self.model_name = self.served_models[0]
         return serving
 

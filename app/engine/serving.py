@@ -34,6 +34,12 @@ class Serving(Protocol):
     @property
     def served_models(self) -> list[str]: ...
 
+    @property
+    def engine_config(self) -> dict[str, object]:
+        """The engine settings an operator tunes (max_model_len, max_num_seqs, batched tokens, prefix caching,
+        parallelism), by vLLM's names: what the console's engine page shows."""
+        ...
+
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone.
         `rank`: the data-parallel rank to run it on (None: the engine's own balancing)."""
@@ -89,6 +95,10 @@ class _Poisoned:
     @property
     def served_models(self) -> list[str]:
         return self._serving.served_models
+
+    @property
+    def engine_config(self) -> dict[str, object]:
+        return self._serving.engine_config
 
     async def is_alive(self) -> bool:
         return await self._serving.is_alive()

@@ -141,6 +141,10 @@ class ServingLayer:
         return int(self.engine_client.vllm_config.parallel_config.data_parallel_size)
 
     @property
+    def engine_config(self) -> dict[str, object]:
+        return _engine_config(self.engine_client.vllm_config)
+
+    @property
     def served_models(self) -> list[str]:
         models = self._state.openai_serving_models
         return [m.name for m in models.base_model_paths]
@@ -284,6 +288,7 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
                 engine_processes=launched.engine_processes(),
                 max_num_seqs=int(launched.config.scheduler_config.max_num_seqs),
                 data_parallel_size=int(launched.config.parallel_config.data_parallel_size),
+                engine_config=_engine_config(launched.config),
                 generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
                 metrics_text=lambda: _exposition(get_prometheus_registry()),
             )
@@ -302,6 +307,19 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
             finally:
                 await pool.close()
                 await asyncio.to_thread(launched.shutdown)
+
+
+def _engine_config(config: typing.Any) -> dict[str, object]:
+    scheduler, parallel = config.scheduler_config, config.parallel_config
+    return {
+        "max_model_len": config.model_config.max_model_len,
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "enable_prefix_caching": config.cache_config.enable_prefix_caching,
+        "tensor_parallel_size": parallel.tensor_parallel_size,
+        "data_parallel_size": parallel.data_parallel_size,
+        "dtype": str(config.model_config.dtype).removeprefix("torch."),
+    }
 
 
 @dataclass
