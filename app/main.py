@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from fastapi.staticfiles import StaticFiles
 from sqlalchemy.engine import Engine
 
 from app import __version__
@@ -18,6 +19,9 @@ from app.api import files as file_routes
 from app.api import system as system_routes
 from app.api.errors import document_errors, install_error_handlers
 from app.api.guard import RequestGuard
+from app.console import CONSOLE_STATIC
+from app.console import routes as console_routes
+from app.console.sessions import SessionSigner, load_secret
 from app.core import clock
 from app.core.auth import KeyRing
 from app.core.config import Settings
@@ -43,6 +47,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         keep_private(settings.data_dir)
+        app.state.console_signer = SessionSigner(load_secret(settings.data_dir))
         upgrade_to_head(settings.database_path)
         app.state.db = make_engine(settings.database_path)
         reserve = DiskReserve(
@@ -106,6 +111,8 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     app.include_router(file_routes.router)
     app.include_router(batch_routes.router)
     app.include_router(system_routes.router)
+    app.include_router(console_routes.router)
+    app.mount("/console/static", StaticFiles(directory=CONSOLE_STATIC), name="console-static")
     return app
 
 

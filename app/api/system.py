@@ -51,7 +51,7 @@ def metrics(registry: MetricsDep, engine: EngineDep, _: OwnerDep) -> Response:
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
 def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
     """Everything: the engine's state and every problem of the database, the disk and the engine loop."""
-    status = _health(engine, settings, storage)
+    status = health_status(engine, settings, storage)
     return JSONResponse(status.model_dump(), status_code=200 if status.status == "ok" else 503)
 
 
@@ -70,7 +70,7 @@ def live(engine: EngineDep) -> JSONResponse:
     return JSONResponse(status.model_dump(), status_code=503 if engine.state == "down" else 200)
 
 
-def _health(engine: EngineService, settings: Settings, storage: Storage) -> HealthStatus:
+def health_status(engine: EngineService, settings: Settings, storage: Storage) -> HealthStatus:
     problems = [
         problem
         for problem in (

@@ -59,6 +59,12 @@ class KeyRing:
     def __len__(self) -> int:
         return len(self._digests)
 
+    def has_owner(self, owner: str) -> bool:
+        """Whether a configured key has this owner id (a console session outlives neither its key nor keys)."""
+        if not self.enabled:
+            return owner == ANONYMOUS
+        return bool(owner) and any(known.startswith(owner) for known in self._digests)
+
     def owner(self, authorization: str | None) -> str:
         """The owner id for an `Authorization` header value; raises 401 for a missing or unknown key."""
         if not self.enabled:

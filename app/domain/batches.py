@@ -210,9 +210,15 @@ def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
     )
 
 
-def list_batches(*, db: Engine, owner: str, limit: int, after: str | None) -> BatchList:
+def list_batches(
+    *, db: Engine, owner: str, limit: int, after: str | None, status: BatchStatus | None = None
+) -> BatchList:
+    """Newest first; `status` narrows it (the console's filter; OpenAI's list has none)."""
+    filters = [] if status is None else [col(BatchRow.status) == status]
     with session_scope(db) as session:
-        rows, has_more = page(session, BatchRow, owner=owner, filters=[], limit=limit, after=after, descending=True)
+        rows, has_more = page(
+            session, BatchRow, owner=owner, filters=filters, limit=limit, after=after, descending=True
+        )
     data = [to_wire(r) for r in rows]
     return BatchList(
         data=data,
@@ -323,6 +329,13 @@ def active(*, db: Engine) -> list[BatchRow]:
             .where(BatchRow.status.in_(ACTIVE))  # type: ignore[attr-defined]
             .order_by(BatchRow.created_ns.asc())  # type: ignore[attr-defined]
         )
+        return list(session.exec(statement).all())
+
+
+def active_using(*, db: Engine, file_id: str) -> list[str]:
+    """Active batches that read `file_id` as their input."""
+    with session_scope(db) as session:
+        statement = select(BatchRow.id).where(col(BatchRow.input_file_id) == file_id, col(BatchRow.status).in_(ACTIVE))
         return list(session.exec(statement).all())
 
 

@@ -6,8 +6,9 @@ published output or error file.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from typing import Literal
+import json
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Literal, cast
 
 from sqlalchemy.engine import Engine
 
@@ -44,3 +45,18 @@ async def open_partial(
         if opened is not None:
             return opened
     return _nothing(), 0
+
+
+async def first_lines(
+    *, db: Engine, storage: Storage, batch_id: str, kind: Kind, owner: str, count: int, max_bytes: int = 256 * 1024
+) -> list[dict]:
+    """The first `count` result lines written so far (those that fit in `max_bytes`), parsed."""
+    chunks, _ = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=owner)
+    head = bytearray()
+    async for chunk in chunks:
+        head.extend(chunk)
+        if head.count(b"\n") >= count or len(head) >= max_bytes:
+            break
+    await cast(AsyncGenerator[bytes, None], chunks).aclose()  # both of open_partial's streams are generators
+    complete = bytes(head[: head.rfind(b"\n") + 1])
+    return [json.loads(line) for line in complete.splitlines()[:count]]

@@ -1,0 +1,128 @@
+"""How the console words and formats what the domain returns: times, sizes, durations, a batch's row."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from app.domain.errors import InvalidRequest
+from app.domain.lifecycle import TERMINAL
+from app.domain.models import FileRow
+from app.domain.schemas import Batch, RunStats
+
+# A batch's lifecycle timestamps, in the order a batch meets them.
+LIFECYCLE = (
+    ("created", "created_at"),
+    ("in progress", "in_progress_at"),
+    ("finalizing", "finalizing_at"),
+    ("cancelling", "cancelling_at"),
+    ("completed", "completed_at"),
+    ("failed", "failed_at"),
+    ("expired", "expired_at"),
+    ("cancelled", "cancelled_at"),
+)
+ENDINGS = ("completed_at", "failed_at", "expired_at", "cancelled_at")
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+@dataclass(frozen=True)
+class BatchRowView:
+    batch: Batch
+    done: int
+    total: int
+    percent: int
+    requests_per_second: float | None
+    output_tokens_per_second: float | None
+    eta_seconds: float | None
+    ended_at: int | None
+    final: bool
+
+
+def batch_row(batch: Batch, stats: RunStats | None) -> BatchRowView:
+    counts = batch.request_counts
+    done = counts.completed + counts.failed
+    ended = [getattr(batch, field) for field in ENDINGS if getattr(batch, field) is not None]
+    return BatchRowView(
+        batch=batch,
+        done=done,
+        total=counts.total,
+        percent=round(100 * done / counts.total) if counts.total else (100 if batch.status == "completed" else 0),
+        requests_per_second=stats.requests_per_second if stats else None,
+        output_tokens_per_second=stats.output_tokens_per_second if stats else None,
+        eta_seconds=stats.eta_seconds if stats else None,
+        ended_at=max(ended) if ended else None,
+        final=batch.status in TERMINAL,
+    )
+
+
+def lifecycle(batch: Batch) -> list[tuple[str, int]]:
+    return [(label, getattr(batch, field)) for label, field in LIFECYCLE if getattr(batch, field) is not None]
+
+
+def run_stages(timeline: dict[str, float] | None) -> list[tuple[str, float]]:
+    return sorted((timeline or {}).items(), key=lambda stage: stage[1])
+
+
+def error_line(line: dict) -> dict:
+    """One line of an error file as the console lists it: its id, code and message, wherever OpenAI puts them."""
+    response = line.get("response") or {}
+    error = line.get("error") or (response.get("body") or {}).get("error") or {}
+    return {
+        "custom_id": line.get("custom_id"),
+        "status_code": response.get("status_code"),
+        "code": error.get("code"),
+        "message": error.get("message"),
+    }
+
+
+def parse_metadata(text: str) -> dict[str, str] | None:
+    """`key=value`, one a line (blank lines ignored), as the submit form takes metadata."""
+    pairs: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        key, sep, value = line.partition("=")
+        if not sep or not key.strip():
+            raise InvalidRequest(f"Metadata line {number} is not key=value.", param="metadata")
+        pairs[key.strip()] = value.strip()
+    return pairs or None
+
+
+def download_name(row: FileRow) -> str:
+    return _SAFE_NAME.sub("_", row.filename)[:200] or row.id
+
+
+def when(timestamp: int | None) -> str:
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def size(count: int) -> str:
+    value = float(count)
+    for unit in ("B", "KB", "MB", "GB"):
+        if value < 1000 or unit == "GB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return f"{count} B"
+
+
+def duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    whole = round(seconds)
+    if whole < 60:
+        return f"{seconds:.1f} s" if seconds < 10 else f"{whole} s"
+    minutes, secs = divmod(whole, 60)
+    if minutes < 60:
+        return f"{minutes} min {secs} s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours} h {minutes} min"
+
+
+def rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.1f}"
+
+
+FILTERS = {"when": when, "size": size, "duration": duration, "rate": rate}

@@ -1,0 +1,364 @@
+"""The console's pages, fragments and forms. Like `app.api`, these only translate HTTP to domain calls, made under
+the session's owner id: a page shows what the API shows that key, and another key's object is "not found"."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Form, Query, Request
+from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from fastapi.templating import Jinja2Templates
+
+from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
+from app.api.errors import from_domain
+from app.api.system import health_status
+from app.api.uploads import receive_upload
+from app.console import present
+from app.console.access import (
+    CSRF_FIELD,
+    ChangeDep,
+    Forbidden,
+    LoginRequired,
+    SessionDep,
+    anonymous_allowed,
+    from_script,
+    keys_of,
+    login_url,
+    new_session_cookie,
+    safe_next,
+    signer_of,
+)
+from app.console.sessions import COOKIE, Session
+from app.core.gpu import gpu_usage
+from app.domain import batches, files
+from app.domain.errors import DomainError, InvalidRequest, Unauthenticated
+from app.domain.lifecycle import ACTIVE, BatchStatus
+from app.domain.partial_output import first_lines, open_partial
+from app.domain.schemas import CreateBatchRequest
+from app.domain.validation import Limits, validate_file
+
+PAGE_SIZE = 20
+FIRST_ERROR_LINES = 10
+HERE = Path(__file__).parent
+templates = Jinja2Templates(directory=HERE / "templates")
+templates.env.filters.update(present.FILTERS)
+
+
+class ConsoleRoute(APIRoute):
+    """Refusals as a browser needs them: a page without a session goes to the login page, a domain error is an
+    error page (a fragment or script gets its status and message)."""
+
+    def get_route_handler(self):
+        handle = super().get_route_handler()
+
+        async def console_handler(request: Request) -> Response:
+            try:
+                return await handle(request)
+            except LoginRequired:
+                return _login_required(request)
+            except Forbidden:
+                return _refusal(request, 403, "This form has expired or did not come from this console. Reload.")
+            except DomainError as exc:
+                return _refusal(request, from_domain(exc).status_code, exc.message)
+
+        return console_handler
+
+
+router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
+
+
+def _page(request: Request, template: str, session: Session | None, status_code: int = 200, **context) -> Response:
+    csrf = signer_of(request).csrf_token(session) if session is not None else ""
+    context |= {"csrf_token": csrf, "csrf_field": CSRF_FIELD, "keys_enabled": keys_of(request).enabled}
+    return templates.TemplateResponse(request, template, context, status_code=status_code)
+
+
+def _refusal(request: Request, status: int, message: str) -> Response:
+    if from_script(request):
+        return JSONResponse({"error": {"message": message}}, status_code=status)
+    return _page(request, "error.html", None, status_code=status, message=message)
+
+
+def _login_required(request: Request) -> Response:
+    if anonymous_allowed(request) and request.method == "GET":
+        # Without keys the console is loopback's, as the API is: a session is all the visitor lacked.
+        response: Response = RedirectResponse(str(request.url), status_code=303)
+        response.set_cookie(**new_session_cookie(request)[1])
+        return response
+    if from_script(request):
+        return JSONResponse({"error": {"message": "Log in again."}}, status_code=401)
+    return RedirectResponse(login_url(request), status_code=303)
+
+
+@router.get("")
+@router.get("/")
+def home() -> Response:
+    return RedirectResponse("/console/batches", status_code=303)
+
+
+@router.get("/login")
+def login_page(request: Request, next: str | None = None) -> Response:
+    if anonymous_allowed(request):
+        return RedirectResponse(safe_next(next), status_code=303)
+    return _page(request, "login.html", None, next=safe_next(next))
+
+
+@router.post("/login")
+def login(request: Request, key: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
+    origin = request.headers.get("origin")
+    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
+        raise Forbidden
+    try:
+        owner = keys_of(request).owner(f"Bearer {key}")
+    except Unauthenticated:
+        return _page(request, "login.html", None, status_code=401, next=safe_next(next), failed=True)
+    response: Response = RedirectResponse(safe_next(next), status_code=303)
+    response.set_cookie(**new_session_cookie(request, owner)[1])
+    return response
+
+
+@router.post("/logout")
+def logout(request: Request, _: ChangeDep) -> Response:
+    response: Response = RedirectResponse("/console/login" if keys_of(request).enabled else "/", status_code=303)
+    response.delete_cookie(COOKIE, path="/console")
+    return response
+
+
+def _status_filter(status: str | None) -> BatchStatus | None:
+    if not status:
+        return None
+    try:
+        return BatchStatus(status)
+    except ValueError:
+        raise InvalidRequest(f"Unknown status '{status}'.", param="status") from None
+
+
+def _batch_rows(db, engine, session: Session, status: str | None, after: str | None) -> dict:
+    listing = batches.list_batches(
+        db=db, owner=session.owner, limit=PAGE_SIZE, after=after, status=_status_filter(status)
+    )
+    return {
+        "batches": [present.batch_row(batch, engine.live_stats(batch.id)) for batch in listing.data],
+        "has_more": listing.has_more,
+        "last_id": listing.last_id,
+        "status": status or "",
+        "after": after or "",
+    }
+
+
+@router.get("/batches")
+def batches_page(
+    request: Request,
+    session: SessionDep,
+    db: DbDep,
+    engine: EngineDep,
+    status: str | None = None,
+    after: str | None = None,
+) -> Response:
+    rows = _batch_rows(db, engine, session, status, after)
+    return _page(request, "batches.html", session, statuses=[s.value for s in BatchStatus], **rows)
+
+
+@router.get("/batches/rows")
+def batches_fragment(
+    request: Request,
+    session: SessionDep,
+    db: DbDep,
+    engine: EngineDep,
+    status: str | None = None,
+    after: str | None = None,
+) -> Response:
+    return _page(request, "_batch_rows.html", session, **_batch_rows(db, engine, session, status, after))
+
+
+async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
+    row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
+    batch = batches.to_wire(row)
+    progress = batches.progress(row, engine.live_stats(row.id))
+    error_lines = await first_lines(
+        db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
+    )
+    return {
+        "batch": batch,
+        "progress": progress,
+        "row": present.batch_row(batch, engine.live_stats(row.id)),
+        "timeline": present.lifecycle(batch),
+        "run_stages": present.run_stages(progress.timeline),
+        "error_lines": [present.error_line(line) for line in error_lines],
+        "active": batch.status in ACTIVE,
+    }
+
+
+@router.get("/batches/{batch_id}")
+async def batch_page(
+    request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
+) -> Response:
+    context = await _batch_context(batch_id, session, db, storage, engine)
+    return _page(request, "batch.html", session, **context)
+
+
+@router.get("/batches/{batch_id}/panel")
+async def batch_fragment(
+    request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
+) -> Response:
+    context = await _batch_context(batch_id, session, db, storage, engine)
+    return _page(request, "_batch_panel.html", session, **context)
+
+
+@router.get("/batches/{batch_id}/progress.json")
+def batch_progress(batch_id: str, session: SessionDep, db: DbDep, engine: EngineDep) -> Response:
+    row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
+    return JSONResponse(batches.progress(row, engine.live_stats(row.id)).model_dump(mode="json"))
+
+
+@router.post("/batches/{batch_id}/cancel")
+def cancel_batch(batch_id: str, session: ChangeDep, db: DbDep, engine: EngineDep) -> Response:
+    batches.request_cancel(db=db, batch_id=batch_id, owner=session.owner)
+    engine.wake()
+    return RedirectResponse(f"/console/batches/{batch_id}", status_code=303)
+
+
+@router.get("/batches/{batch_id}/partial")
+async def partial_download(
+    batch_id: str,
+    session: SessionDep,
+    db: DbDep,
+    storage: StorageDep,
+    kind: Annotated[str, Query(pattern="^(output|error)$")] = "output",
+) -> Response:
+    chunks, size = await open_partial(
+        db=db, storage=storage, batch_id=batch_id, kind="error" if kind == "error" else "output", owner=session.owner
+    )
+    headers = {
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{batch_id}.{kind}.partial.jsonl"',
+    }
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+
+@router.get("/submit")
+def submit_page(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
+    return _page(request, "submit.html", session, endpoints=batches.ENDPOINTS, windows=list(settings.allowed_windows))
+
+
+@router.post("/uploads")
+async def upload(
+    request: Request,
+    session: ChangeDep,
+    settings: SettingsDep,
+    db: DbDep,
+    storage: StorageDep,
+    engine: EngineDep,
+    endpoint: str = "/v1/chat/completions",
+) -> Response:
+    """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
+    stored = await receive_upload(request, storage=storage, settings=settings)
+    row = files.record_upload(
+        db=db,
+        file_id=stored.file_id,
+        size=stored.size,
+        filename=stored.filename,
+        purpose=stored.purpose,
+        ttl_seconds=stored.ttl_seconds,
+        owner=session.owner,
+    )
+    limits = Limits(
+        endpoint=endpoint,
+        served_models=frozenset(engine.served_models),
+        max_requests=settings.max_requests_per_batch,
+        max_line_bytes=settings.max_line_bytes,
+        max_choices=settings.max_choices_per_request,
+    )
+    report = await asyncio.to_thread(validate_file, storage.path(row.id), limits)
+    problems = [error.model_dump() for error in report.errors]
+    return JSONResponse(
+        {
+            "file": files.to_wire(row).model_dump(),
+            "total": report.total,
+            "error_count": report.error_count,
+            "problems": problems,
+        }
+    )
+
+
+@router.post("/batches")
+def create_batch(
+    request: Request,
+    session: ChangeDep,
+    db: DbDep,
+    settings: SettingsDep,
+    engine: EngineDep,
+    input_file_id: Annotated[str, Form()],
+    endpoint: Annotated[str, Form()],
+    completion_window: Annotated[str, Form()],
+    metadata: Annotated[str, Form()] = "",
+) -> Response:
+    body = CreateBatchRequest(
+        input_file_id=input_file_id,
+        endpoint=endpoint,
+        completion_window=completion_window,
+        metadata=present.parse_metadata(metadata),
+    )
+    row = batches.create(
+        db=db,
+        request=body,
+        windows=settings.allowed_windows,
+        owner=session.owner,
+        max_active=settings.max_active_batches_per_key,
+    )
+    engine.wake()
+    return RedirectResponse(f"/console/batches/{row.id}", status_code=303)
+
+
+@router.get("/files")
+def files_page(request: Request, session: SessionDep, db: DbDep, after: str | None = None) -> Response:
+    listing = files.list_files(db=db, owner=session.owner, purpose=None, limit=PAGE_SIZE, order="desc", after=after)
+    return _page(request, "files.html", session, files=listing.data, has_more=listing.has_more, last_id=listing.last_id)
+
+
+@router.get("/files/{file_id}/content")
+async def file_download(file_id: str, session: SessionDep, db: DbDep, storage: StorageDep) -> Response:
+    row = files.get(db=db, file_id=file_id, owner=session.owner)
+    chunks, size = await _opened(storage, file_id)
+    headers = {
+        "Content-Length": str(size),
+        "Content-Disposition": f'attachment; filename="{present.download_name(row)}"',
+    }
+    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+
+
+async def _opened(storage, file_id: str):
+    opened = await storage.open_prefix(file_id)
+    if opened is None:
+        raise InvalidRequest(f"The content of file {file_id} is not available.", param="file_id")
+    return opened
+
+
+@router.post("/files/{file_id}/delete")
+async def delete_file(request: Request, file_id: str, session: ChangeDep, db: DbDep, storage: StorageDep) -> Response:
+    files.get(db=db, file_id=file_id, owner=session.owner)
+    using = batches.active_using(db=db, file_id=file_id)
+    if using:
+        raise InvalidRequest(f"File {file_id} is the input of {', '.join(using)}, still running; it is kept.")
+    await files.delete(db=db, storage=storage, file_id=file_id, owner=session.owner)
+    return RedirectResponse("/console/files", status_code=303)
+
+
+@router.get("/engine")
+async def engine_page(
+    request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep
+) -> Response:
+    gpus = await asyncio.to_thread(gpu_usage)
+    health = health_status(engine, settings, storage)
+    return _page(
+        request,
+        "engine.html",
+        session,
+        engine=engine,
+        health=health,
+        gpus=gpus,
+        config=sorted(engine.engine_config.items()),
+    )

@@ -1,0 +1,160 @@
+// vbatch console: live fragments, confirmations, the upload form and the throughput chart. No dependencies.
+"use strict";
+
+const POLL_MS = 2000;
+const csrfToken = () => document.querySelector('meta[name="csrf-token"]').content;
+const fromScript = { "X-Requested-With": "vbatch-console" };
+
+// Elements with data-poll are refreshed from their URL until a fragment says it is final.
+function poll(element) {
+  const tick = async () => {
+    if (!document.hidden) {
+      try {
+        const response = await fetch(element.dataset.poll, { headers: fromScript, credentials: "same-origin" });
+        if (response.ok) {
+          element.innerHTML = await response.text();
+        }
+      } catch (_) { /* the service is restarting: try again next tick */ }
+    }
+    const panel = element.querySelector("[data-final]");
+    if (panel && panel.dataset.final === "true") {
+      document.dispatchEvent(new CustomEvent("vbatch:final"));
+      return;
+    }
+    setTimeout(tick, POLL_MS);
+  };
+  const panel = element.querySelector("[data-final]");
+  if (!(panel && panel.dataset.final === "true")) setTimeout(tick, POLL_MS);
+}
+
+// Forms with data-confirm ask first (cancel, delete); the forms themselves may arrive in a refreshed fragment.
+document.addEventListener("submit", (event) => {
+  const message = event.target.dataset && event.target.dataset.confirm;
+  if (message && !window.confirm(message)) event.preventDefault();
+});
+
+function autosubmit(form) {
+  form.querySelectorAll("select").forEach((select) => select.addEventListener("change", () => form.submit()));
+}
+
+function setupUpload(form) {
+  const input = form.querySelector('input[type="file"]');
+  const zone = document.getElementById("dropzone");
+  ["dragenter", "dragover"].forEach((name) => zone.addEventListener(name, (event) => {
+    event.preventDefault();
+    zone.classList.add("over");
+  }));
+  ["dragleave", "drop"].forEach((name) => zone.addEventListener(name, () => zone.classList.remove("over")));
+  zone.addEventListener("drop", (event) => {
+    event.preventDefault();
+    if (event.dataTransfer.files.length) input.files = event.dataTransfer.files;
+  });
+  form.addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const endpoint = form.querySelector("#endpoint").value;
+    const body = new FormData();
+    body.append("purpose", "batch");
+    body.append("file", input.files[0]);
+    const error = document.getElementById("upload-error");
+    error.hidden = true;
+    const button = form.querySelector("button");
+    button.disabled = true;
+    try {
+      const response = await fetch(`/console/uploads?endpoint=${encodeURIComponent(endpoint)}`, {
+        method: "POST", body, credentials: "same-origin",
+        headers: { ...fromScript, "X-CSRF-Token": csrfToken() },
+      });
+      const answer = await response.json();
+      if (!response.ok) throw new Error(answer.error ? answer.error.message : response.statusText);
+      showReport(answer, endpoint);
+    } catch (failure) {
+      error.textContent = `Upload refused: ${failure.message}`;
+      error.hidden = false;
+    } finally {
+      button.disabled = false;
+    }
+  });
+}
+
+function showReport(answer, endpoint) {
+  document.getElementById("report").hidden = false;
+  document.getElementById("input_file_id").value = answer.file.id;
+  document.getElementById("create_endpoint").value = endpoint;
+  const summary = document.getElementById("report-summary");
+  const table = document.getElementById("problems");
+  const rows = table.querySelector("tbody");
+  rows.replaceChildren();
+  if (answer.error_count === 0) {
+    summary.textContent = `${answer.file.filename} (${answer.file.id}): ${answer.total} requests, all valid.`;
+    table.hidden = true;
+    document.getElementById("create").textContent = "Create batch";
+    return;
+  }
+  summary.textContent = `${answer.file.filename} (${answer.file.id}): ${answer.error_count} problem(s); ` +
+    "a batch of it would fail validation.";
+  for (const problem of answer.problems) {
+    const row = rows.insertRow();
+    for (const value of [problem.line ?? "-", problem.code, problem.message]) row.insertCell().textContent = value;
+  }
+  table.hidden = false;
+  document.getElementById("create").textContent = "Create batch anyway";
+}
+
+// Two small line charts (requests/s, output tokens/s) from the progress extension's series.
+function chart(container) {
+  let drawn = false;
+  const tick = async () => {
+    try {
+      const response = await fetch(container.dataset.progress, { headers: fromScript, credentials: "same-origin" });
+      if (response.ok) {
+        const progress = await response.json();
+        if (progress.series.length) {
+          draw(container, progress.series);
+          drawn = true;
+        } else if (!drawn && progress.requests_per_second === null && progress.timeline) {
+          container.querySelector(".hint").textContent = "The batch is not running: its chart is shown while it runs.";
+        }
+      }
+    } catch (_) { /* next tick */ }
+    const panel = document.querySelector("#batch-panel [data-final]");
+    if (!(panel && panel.dataset.final === "true")) setTimeout(tick, POLL_MS);
+  };
+  tick();
+}
+
+function draw(container, series) {
+  const parts = [["requests/s", 1, "#1d4ed8"], ["output tokens/s", 2, "#047857"]].map(([label, column, colour]) =>
+    line(series.map((point) => [point[0], point[column]]), label, colour));
+  container.replaceChildren(...parts.flat());
+}
+
+function line(points, label, colour) {
+  const width = 640, height = 140, pad = 6;
+  const maxX = Math.max(...points.map((p) => p[0]), 1);
+  const maxY = Math.max(...points.map((p) => p[1]), 1e-9);
+  const coords = points.map(([x, y]) =>
+    `${(pad + (x / maxX) * (width - 2 * pad)).toFixed(1)},${(height - pad - (y / maxY) * (height - 2 * pad)).toFixed(1)}`);
+  const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
+  svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
+  svg.setAttribute("role", "img");
+  const last = points[points.length - 1][1];
+  svg.setAttribute("aria-label", `${label}: now ${last}, highest ${maxY}, over ${maxX} s`);
+  svg.innerHTML = `<rect x="0" y="0" width="${width}" height="${height}" fill="#f8fafc" stroke="#d4d8e0"/>` +
+    `<polyline fill="none" stroke="${colour}" stroke-width="2" points="${coords.join(" ")}"/>`;
+  const legend = document.createElement("p");
+  legend.className = "chart-legend";
+  legend.textContent = `${label}: now ${last.toLocaleString()}, highest ${maxY.toLocaleString()} (${maxX} s into the run)`;
+  const wrap = document.createElement("div");
+  wrap.className = "chart";
+  wrap.append(svg);
+  return [wrap, legend];
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  document.querySelectorAll("[data-poll]").forEach(poll);
+  document.querySelectorAll("form[data-autosubmit]").forEach(autosubmit);
+  const upload = document.getElementById("upload-form");
+  if (upload) setupUpload(upload);
+  const container = document.getElementById("chart");
+  if (container) chart(container);
+});
