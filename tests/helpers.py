@@ -6,10 +6,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import uvicorn
 from fastapi.testclient import TestClient
 
+from app.core import failpoints
 from app.testing import FAKE_MODEL as MODEL
 
 
@@ -82,3 +84,14 @@ def serving(app, port: int, **options) -> Iterator[int]:
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+
+
+@contextmanager
+def holding(data_dir: Path) -> Iterator[None]:
+    """A server started with `hold_after:N` sends at most N lines of a batch while this lasts."""
+    hold = data_dir / failpoints.HOLD_FILE
+    hold.touch()
+    try:
+        yield
+    finally:
+        hold.unlink(missing_ok=True)

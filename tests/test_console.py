@@ -4,11 +4,15 @@ The browser drives the same pages in tests/browser; these are the fast checks of
 from __future__ import annotations
 
 import re
+import time
 
 from fastapi.testclient import TestClient
 
-from app.console.sessions import COOKIE
+from app.console import sessions as sessions_module
+from app.console.sessions import COOKIE, LIFETIME_SECONDS, SessionSigner, load_secret
+from app.core.auth import ANONYMOUS, KeyRing, owner_of
 from app.core.config import Settings
+from app.core.gpu import GpuUsage, _parse
 from app.main import create_app
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_status
 
@@ -163,3 +167,31 @@ def test_two_keys_see_disjoint_lists_and_each_others_batches_are_not_found(tmp_p
         assert cancel.status_code == 404
         # A's token is no good in B's session.
         assert console_b.post(f"/console/batches/{ids[KEY_B]}/cancel", data={"csrf_token": token}).status_code == 403
+
+
+def test_a_session_is_refused_once_stale_or_altered(monkeypatch, tmp_path):
+    signer = SessionSigner(load_secret(tmp_path))
+    assert load_secret(tmp_path) == load_secret(tmp_path) and (tmp_path / "console-secret").stat().st_mode & 0o077 == 0
+    session, cookie = signer.issue("owner-a")
+    assert signer.read(cookie) == session
+    encoded, signature = cookie.split(".")
+    assert signer.read(f"{encoded}.{'0' * len(signature)}") is None
+    assert signer.read(f"{encoded[:-2]}.{signature}") is None
+    assert SessionSigner(b"another secret").read(cookie) is None
+    assert signer.csrf_ok(session, signer.csrf_token(session))
+    assert not signer.csrf_ok(signer.issue("owner-a")[0], signer.csrf_token(session))
+    later = time.time() + LIFETIME_SECONDS + 1
+    monkeypatch.setattr(sessions_module.time, "time", lambda: later)
+    assert signer.read(cookie) is None
+
+
+def test_a_session_ends_with_its_key():
+    ring = KeyRing([KEY_A])
+    assert ring.has_owner(owner_of(KEY_A)) and not ring.has_owner(owner_of(KEY_B))
+    assert not KeyRing([KEY_B]).has_owner(owner_of(KEY_A)) and not ring.has_owner(ANONYMOUS)
+    assert KeyRing([]).has_owner(ANONYMOUS) and not KeyRing([]).has_owner(owner_of(KEY_A))
+
+
+def test_gpu_lines_parse_and_unreadable_ones_are_skipped():
+    assert _parse("0, NVIDIA H200, 37, 1024, 143771") == GpuUsage(0, "NVIDIA H200", 37, 1024, 143771)
+    assert _parse("1, NVIDIA H200, [N/A], 1024, 143771") is None and _parse("garbage") is None

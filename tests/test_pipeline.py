@@ -98,10 +98,13 @@ def test_progress_is_live_while_running_and_keeps_the_timeline_after(client, fak
     wait_status(client, batch["id"], {"completed"})
     ended = client.get(f"/v1/batches/{batch['id']}/progress").json()
     assert ended["status"] == "completed" and ended["request_counts"]["completed"] == 20
-    assert ended["requests_per_second"] is None and ended["eta_seconds"] is None and ended["series"] == []
+    assert ended["requests_per_second"] is None and ended["eta_seconds"] is None
+    # The run's rate history is kept with it; the last point is the run's end, however short the run.
+    assert ended["series"] and all(len(point) == 3 for point in ended["series"])
     stages = ended["timeline"]
     assert set(stages) == {"planned", "first_result", "all_sent", "last_result", "published"}
     assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
+    assert ended["series"][-1][0] >= stages["last_result"]
     assert client.get("/v1/batches/batch_nope/progress").status_code == 404
 
 

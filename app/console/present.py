@@ -99,6 +99,13 @@ def when(timestamp: int | None) -> str:
     return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
+def day_minute(timestamp: int | None) -> str:
+    """A table's time: to the minute, UTC (the column says so)."""
+    if timestamp is None:
+        return "-"
+    return datetime.fromtimestamp(timestamp, UTC).strftime("%Y-%m-%d %H:%M")
+
+
 def size(count: int) -> str:
     value = float(count)
     for unit in ("B", "KB", "MB", "GB"):
@@ -125,4 +132,4 @@ def rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
-FILTERS = {"when": when, "size": size, "duration": duration, "rate": rate}
+FILTERS = {"when": when, "day_minute": day_minute, "size": size, "duration": duration, "rate": rate}

@@ -137,8 +137,9 @@ def _status_filter(status: str | None) -> BatchStatus | None:
 
 
 def _batch_rows(db, engine, session: Session, status: str | None, after: str | None) -> dict:
+    # A form sends an unset filter or cursor as an empty string.
     listing = batches.list_batches(
-        db=db, owner=session.owner, limit=PAGE_SIZE, after=after, status=_status_filter(status)
+        db=db, owner=session.owner, limit=PAGE_SIZE, after=after or None, status=_status_filter(status)
     )
     return {
         "batches": [present.batch_row(batch, engine.live_stats(batch.id)) for batch in listing.data],

@@ -198,6 +198,7 @@ def get(*, db: Engine, batch_id: str, owner: str | None) -> BatchRow:
 def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
     """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run."""
     timeline = live.timeline if live else (json.loads(row.timeline_json) if row.timeline_json else None)
+    series = live.series if live else (json.loads(row.series_json) if row.series_json else [])
     return BatchProgress(
         id=row.id,
         status=BatchStatus(row.status),
@@ -206,7 +207,7 @@ def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
         output_tokens_per_second=live.output_tokens_per_second if live else None,
         eta_seconds=live.eta_seconds if live else None,
         timeline=timeline,
-        series=live.series if live else [],
+        series=series,
     )
 
 
@@ -253,6 +254,7 @@ def publish(
     error: FileRow | None,
     progress: Progress,
     timeline: dict[str, float],
+    series: Sequence[Sequence[float]] = (),
     errors: Sequence[BatchError] = (),
 ) -> BatchRow:
     """End a batch with its result files: their File rows are created in the transaction that ends it, so a batch
@@ -266,6 +268,7 @@ def publish(
         output_file_id=output.id if output else None,
         error_file_id=error.id if error else None,
         timeline_json=json.dumps(timeline),
+        series_json=json.dumps(list(series)),
         **extra,
         **vars(progress),
     )

@@ -67,6 +67,8 @@ class BatchRow(SQLModel, table=True):
     error_bytes_done: int = 0
     # Seconds from the start of the last run to each stage it reached (JSON), written when the batch ends.
     timeline_json: str | None = None
+    # The rate history of that run (`RunStats.series`, JSON), written when the batch ends.
+    series_json: str | None = None
 
     def stamp(self, status: BatchStatus, at: int) -> None:
         """The time the batch first reached `status` (a status reached again keeps its first time)."""

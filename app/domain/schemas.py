@@ -120,8 +120,8 @@ class BatchProgress(BaseModel):
     output_tokens_per_second: float | None
     eta_seconds: float | None
     timeline: dict[str, float] | None
-    # While it runs: [seconds into the run, requests/s, output tokens/s] for each step of about a second or more,
-    # the whole run at a step that grows with it. Empty once it has ended.
+    # [seconds into the run, requests/s, output tokens/s] for each step of about a second or more, the whole run at
+    # a step that grows with it; once the batch has ended, its last run's.
     series: list[list[float]] = []
 
 

@@ -45,6 +45,7 @@ async def publish(
     sink: ResultSink,
     status: BatchStatus,
     timeline: dict[str, float],
+    series: Sequence[Sequence[float]] = (),
     errors: Sequence[BatchError] = (),
 ) -> None:
     """Close the sink, give each non-empty part a File row, end the batch with them, then drop its run files."""
@@ -60,6 +61,7 @@ async def publish(
         error=error,
         progress=sink.progress,
         timeline=timeline,
+        series=series,
         errors=errors,
     )
     for name in run_files(row.id):

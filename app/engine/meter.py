@@ -48,12 +48,14 @@ class RunMeter:
         self._tokens_before = self._generated_tokens()
         self.samples = [Sample(0.0, done_before, 0)]
 
-    def sample(self, progress: Progress) -> None:
-        """One point of the rate history (the console's chart); called on each checkpoint, kept a second apart."""
+    def sample(self, progress: Progress, *, last: bool = False) -> None:
+        """One point of the rate history (the console's chart); called on each checkpoint, kept a second apart,
+        and once more as the run ends (`last`), so that a short run has its point too."""
         if self.done_before is None:
             return
         elapsed = self._elapsed()
-        if elapsed - self.samples[-1].elapsed < SAMPLE_SECONDS:
+        step = elapsed - self.samples[-1].elapsed
+        if step < SAMPLE_SECONDS and not (last and step > 0):
             return
         self.samples.append(Sample(elapsed, progress.completed + progress.failed, self._engine_tokens(progress)))
         if len(self.samples) > MAX_SAMPLES:

@@ -337,6 +337,7 @@ class BatchRun:
                 # Cancelled after its last line had finished: it ends cancelled, with every result it has.
                 status = BatchStatus.CANCELLED
         self.meter.mark("published")
+        self.meter.sample(self.sink.progress, last=True)
         with ctx.metrics.publish_seconds.time():
             await publish(
                 db=ctx.db,
@@ -346,6 +347,7 @@ class BatchRun:
                 sink=self.sink,
                 status=status,
                 timeline=self.meter.timeline,
+                series=self.meter.series(),
             )
         log.info(
             "batch %s: timeline %s",

@@ -1,16 +1,12 @@
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 from openai import OpenAI
 from openai.types import Batch
 
-from app.core import failpoints
 from tests.e2e.conftest import MODEL
 
 TERMINAL = {"completed", "failed", "expired", "cancelled"}
@@ -20,17 +16,6 @@ def chat_line(custom_id: str, question: str, max_tokens: int = 8, **extra) -> di
     messages = [{"role": "user", "content": question}]
     body = {"model": MODEL, "messages": messages, "max_tokens": max_tokens, **extra}
     return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-@contextlib.contextmanager
-def holding(data_dir: Path) -> Iterator[None]:
-    """A server started with `hold_after:N` sends at most N lines of a batch while this lasts."""
-    hold = data_dir / failpoints.HOLD_FILE
-    hold.touch()
-    try:
-        yield
-    finally:
-        hold.unlink(missing_ok=True)
 
 
 def to_jsonl(lines: list[dict]) -> bytes:

@@ -22,8 +22,7 @@ from openai import OpenAI
 
 from app.testing import VbatchServer
 from tests.e2e.conftest import MODEL, engine_flags, free_port
-from tests.e2e.helpers import holding
-from tests.helpers import wait_for
+from tests.helpers import holding, wait_for
 
 STARTUP_SECONDS = 900
 ENV = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2"}

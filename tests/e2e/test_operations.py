@@ -6,7 +6,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import KEYS
-from tests.e2e.helpers import chat_line, holding, submit, wait_terminal, wait_until
+from tests.e2e.helpers import chat_line, submit, wait_terminal, wait_until
+from tests.helpers import holding
 
 VBATCH_SERIES = {
     "vbatch_requests",

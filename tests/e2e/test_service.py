@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from tests.e2e.conftest import MODEL, TEST_WINDOW
-from tests.e2e.helpers import chat_line, holding, lines_of, submit, to_jsonl, wait_terminal, wait_until
+from tests.e2e.helpers import chat_line, lines_of, submit, to_jsonl, wait_terminal, wait_until
+from tests.helpers import holding
 from tests.schemas import validate
 
 QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?", "Say hello."]

@@ -100,26 +100,27 @@ function showReport(answer, endpoint) {
   document.getElementById("create").textContent = "Create batch anyway";
 }
 
-// Two small line charts (requests/s, output tokens/s) from the progress extension's series.
+// Two small line charts (requests/s, output tokens/s) from the progress extension's series; drawn once more when
+// the panel turns final, since the ended batch's series is its whole run.
 function chart(container) {
-  let drawn = false;
-  const tick = async () => {
+  const panelFinal = () => {
+    const panel = document.querySelector("#batch-panel [data-final]");
+    return panel && panel.dataset.final === "true";
+  };
+  const refresh = async () => {
     try {
       const response = await fetch(container.dataset.progress, { headers: fromScript, credentials: "same-origin" });
-      if (response.ok) {
-        const progress = await response.json();
-        if (progress.series.length) {
-          draw(container, progress.series);
-          drawn = true;
-        } else if (!drawn && progress.requests_per_second === null && progress.timeline) {
-          container.querySelector(".hint").textContent = "The batch is not running: its chart is shown while it runs.";
-        }
-      }
+      if (!response.ok) return;
+      const progress = await response.json();
+      if (progress.series.length) draw(container, progress.series);
     } catch (_) { /* next tick */ }
-    const panel = document.querySelector("#batch-panel [data-final]");
-    if (!(panel && panel.dataset.final === "true")) setTimeout(tick, POLL_MS);
   };
-  tick();
+  const loop = async () => {
+    await refresh();
+    if (!panelFinal()) setTimeout(loop, POLL_MS);
+  };
+  document.addEventListener("vbatch:final", refresh);
+  loop();
 }
 
 function draw(container, series) {
@@ -128,22 +129,31 @@ function draw(container, series) {
   container.replaceChildren(...parts.flat());
 }
 
+// Each point is the rate over the step that ends at it: drawn as a step, so that one point is a line too.
 function line(points, label, colour) {
   const width = 640, height = 140, pad = 6;
-  const maxX = Math.max(...points.map((p) => p[0]), 1);
+  const maxX = Math.max(...points.map((p) => p[0]), 1e-9);
   const maxY = Math.max(...points.map((p) => p[1]), 1e-9);
-  const coords = points.map(([x, y]) =>
-    `${(pad + (x / maxX) * (width - 2 * pad)).toFixed(1)},${(height - pad - (y / maxY) * (height - 2 * pad)).toFixed(1)}`);
+  const at = (x, y) =>
+    `${(pad + (x / maxX) * (width - 2 * pad)).toFixed(1)},${(height - pad - (y / maxY) * (height - 2 * pad)).toFixed(1)}`;
+  const coords = [];
+  let start = 0;
+  for (const [x, y] of points) {
+    coords.push(at(start, y), at(x, y));
+    start = x;
+  }
   const svg = document.createElementNS("http://www.w3.org/2000/svg", "svg");
   svg.setAttribute("viewBox", `0 0 ${width} ${height}`);
   svg.setAttribute("role", "img");
   const last = points[points.length - 1][1];
-  svg.setAttribute("aria-label", `${label}: now ${last}, highest ${maxY}, over ${maxX} s`);
+  const seconds = maxX.toFixed(1);
+  svg.setAttribute("aria-label", `${label}: last ${last}, highest ${maxY}, over ${seconds} s`);
   svg.innerHTML = `<rect x="0" y="0" width="${width}" height="${height}" fill="#f8fafc" stroke="#d4d8e0"/>` +
     `<polyline fill="none" stroke="${colour}" stroke-width="2" points="${coords.join(" ")}"/>`;
   const legend = document.createElement("p");
   legend.className = "chart-legend";
-  legend.textContent = `${label}: now ${last.toLocaleString()}, highest ${maxY.toLocaleString()} (${maxX} s into the run)`;
+  legend.textContent = `${label}: last ${last.toLocaleString()}, highest ${maxY.toLocaleString()} ` +
+    `(${seconds} s of the run)`;
   const wrap = document.createElement("div");
   wrap.className = "chart";
   wrap.append(svg);
