@@ -55,7 +55,7 @@ format: $(VENV)/.installed
 
 # The console's screenshots in docs/console, taken by its browser tests.
 screenshots: setup
-	VBATCH_SCREENSHOT_DIR=docs/console $(BIN)/python -m pytest -q tests/browser
+	VBATCH_SCREENSHOT_DIR=docs/console $(BIN)/python -m pytest -q tests/browser tests/e2e/test_console_e2e.py
 
 openapi: $(VENV)/.installed
 	$(BIN)/python -m app.api.openapi > openapi.yaml
