@@ -48,8 +48,8 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         keep_private(settings.data_dir)
         app.state.console_signer = SessionSigner(load_secret(settings.data_dir))
-        upgrade_to_head(settings.database_path)
-        app.state.db = make_engine(settings.database_path)
+        upgrade_to_head(settings.database)
+        app.state.db = make_engine(settings.database)
         reserve = DiskReserve(
             settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
         )

@@ -257,6 +257,28 @@ class VbatchServer:
         self.log.close()
 
 
+class LocalPostgres:
+    """A PostgreSQL server from PyPI (`pgserver`, a dev dependency) in `folder`, on a Unix socket: tests and
+    benches get a fresh database from it in milliseconds."""
+
+    def __init__(self, folder: Path) -> None:
+        import pgserver
+
+        self.folder = folder
+        self.server = pgserver.get_server(folder, cleanup_mode="stop")
+        self._count = 0
+
+    def new_database(self) -> str:
+        """The SQLAlchemy URL of a new, empty database."""
+        self._count += 1
+        name = f"vbatch_{os.getpid()}_{self._count}"
+        self.server.psql(f"CREATE DATABASE {name};")
+        return f"postgresql+psycopg://postgres@/{name}?host={self.folder}"
+
+    def stop(self) -> None:
+        self.server.cleanup()
+
+
 def serve_fake_engine(argv: list[str] | None = None) -> None:
     """`python -m app.testing --data-dir D --port P`: `vbatch serve`'s app and server options over the fake engine,
     settings from `VBATCH_*` as usual: load tests of everything but the engine, in a process of its own."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from sqlmodel import SQLModel
 
 import app.domain.models  # noqa: F401  (registers the tables on SQLModel.metadata)
@@ -13,7 +13,7 @@ target_metadata = SQLModel.metadata
 
 
 def _url() -> str:
-    return context.config.get_main_option("sqlalchemy.url") or f"sqlite:///{Settings().database_path}"
+    return context.config.get_main_option("sqlalchemy.url") or Settings().database
 
 
 def run_migrations_offline() -> None:
@@ -27,6 +27,8 @@ def run_migrations_online() -> None:
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":  # replicas starting together migrate one after another
+                connection.execute(text("SELECT pg_advisory_xact_lock(hashtextextended('vbatch-migrations', 0))"))
             context.run_migrations()
     engine.dispose()
 

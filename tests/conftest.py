@@ -1,5 +1,6 @@
-"""Shared fixtures. Unit tests run the real app on a real SQLite file with a fake engine; end-to-end tests
-(tests/e2e) start the real `vbatch serve` once per session."""
+"""Shared fixtures. Unit tests run the real app on a real SQLite file with a fake engine; a module that sets
+`BACKENDS = ("sqlite", "postgres")` runs each of its tests on both databases (Postgres from PyPI's `pgserver`,
+started once per session). End-to-end tests (tests/e2e) start the real `vbatch serve` once per session."""
 
 from __future__ import annotations
 
@@ -12,14 +13,44 @@ from fastapi.testclient import TestClient
 from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import FakeEngine
+from app.testing import FakeEngine, LocalPostgres
+
+
+def pytest_generate_tests(metafunc):
+    backends = getattr(metafunc.module, "BACKENDS", None)
+    if backends and "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", backends, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def postgres(tmp_path_factory) -> Iterator[LocalPostgres]:
+    server = LocalPostgres(tmp_path_factory.mktemp("pg"))
+    yield server
+    server.stop()
 
 
 @pytest.fixture
-def settings(tmp_path: Path) -> Settings:
+def backend(request) -> str:
+    return getattr(request, "param", "sqlite")
+
+
+@pytest.fixture
+def database_url(request, backend: str) -> str | None:
+    """None: the default SQLite file in the data directory."""
+    if backend == "sqlite":
+        return None
+    return request.getfixturevalue("postgres").new_database()
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str | None) -> Settings:
     # A small disk reserve: every test starts an app, and each would write the default 32 MiB.
     return Settings(
-        data_dir=tmp_path / "data", completion_windows="24h,2s", checkpoint_seconds=0.05, disk_reserve_bytes=65536
+        data_dir=tmp_path / "data",
+        database_url=database_url,
+        completion_windows="24h,2s",
+        checkpoint_seconds=0.05,
+        disk_reserve_bytes=65536,
     )
 
 

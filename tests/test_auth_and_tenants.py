@@ -12,6 +12,8 @@ from app.core.auth import KeyRing, open_binding_refusal, read_keys
 from app.core.config import Settings
 from tests.helpers import jsonl, request_line, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 KEY_A, KEY_B, KEY_IN_FILE = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210", "sk-from-the-file-42"
 ENDPOINTS = [
     ("get", "/v1/models"),

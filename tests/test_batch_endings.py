@@ -13,6 +13,8 @@ from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 
 def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart(settings):
     held = FakeEngine()

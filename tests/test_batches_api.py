@@ -6,6 +6,8 @@ import logging
 
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 BATCH_KEYS = {
     "id", "object", "endpoint", "model", "errors", "input_file_id", "completion_window", "status",
     "output_file_id", "error_file_id", "created_at", "in_progress_at", "expires_at", "finalizing_at",

@@ -17,6 +17,8 @@ from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import jsonl, request_line, wait_for
 
+BACKENDS = ("sqlite", "postgres")
+
 KEYS = {"a": "sk-fair-a", "b": "sk-fair-b"}
 
 

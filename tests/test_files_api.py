@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from tests.helpers import upload
 
+BACKENDS = ("sqlite", "postgres")
+
 
 def test_upload_returns_file_object_and_exact_bytes(client):
     content = b'{"a": 1}\n{"b": "\xc3\xa9"}\n'

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from app.core.db import write_problem
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+from app.core.db import make_engine, write_problem
 from app.domain import batches
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
@@ -36,9 +39,21 @@ def test_a_nearly_full_disk_makes_the_service_unavailable(client, settings):
 def test_a_database_that_cannot_be_written_is_reported(tmp_path):
     garbage = tmp_path / "vbatch.db"
     garbage.write_bytes(b"this is no database" * 100)
-    assert "cannot be" in (write_problem(garbage) or "")
-    assert write_problem(tmp_path / "missing.db") is not None
+    assert "cannot be" in (write_problem(create_engine(f"sqlite:///{garbage}")) or "")
+    assert write_problem(create_engine(f"sqlite:///{tmp_path / 'missing.db'}")) is not None
     assert not (tmp_path / "missing.db").exists()
+
+
+def test_a_postgres_that_takes_no_writes_or_cannot_be_reached_is_reported(postgres, tmp_path):
+    url = postgres.new_database()
+    assert write_problem(make_engine(url)) is None
+    name = make_url(url).database
+    with make_engine(url).connect() as connection:
+        connection.execute(text(f"ALTER DATABASE {name} SET default_transaction_read_only = on"))
+        connection.commit()
+    assert "takes no writes" in (write_problem(make_engine(url)) or "")
+    nowhere = make_url(url).set(query={"host": str(tmp_path)}).render_as_string(hide_password=False)
+    assert "cannot be reached" in (write_problem(make_engine(nowhere)) or "")
 
 
 def test_probes_ready_only_when_work_can_run_and_live_unless_a_restart_is_what_helps(client, settings, fake_engine):

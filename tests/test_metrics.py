@@ -10,6 +10,8 @@ from app.engine.service import EngineService
 from app.main import create_app
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 FINAL = {"completed", "failed", "cancelled", "expired"}
 
 

@@ -30,12 +30,14 @@ def test_the_wheel_installs_and_migrates_an_empty_database(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", site, wheel], check=True)
     assert (site / "app" / "migrations" / "env.py").exists()
     assert not (site / "migrations").exists()  # the design card's top-level folder ships inside the package
+    console = site / "app" / "console"
+    assert (console / "templates" / "batch.html").exists() and (console / "static" / "console.js").exists()
     database = tmp_path / "db" / "vbatch.db"
     script = (
-        "import sys, app, app.core.migrate as m; from pathlib import Path; "
+        "import sys, app, app.core.migrate as m; "
         f"assert app.__file__.startswith({str(site)!r}), app.__file__; "
         f"assert str(m.migrations_dir()).startswith({str(site)!r}), m.migrations_dir(); "
-        f"m.upgrade_to_head(Path({str(database)!r}))"
+        f"m.upgrade_to_head({'sqlite:///' + str(database)!r})"
     )
     # Run away from the source tree, with only the installed wheel to import vbatch from.
     subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env={"PYTHONPATH": str(site)}, check=True)

@@ -15,6 +15,8 @@ from app.engine.offline import run_file
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 
 class ReadCounter:
     """Counts how often a batch's input is opened (by any of its names: the file object's, or the batch's own

@@ -14,6 +14,8 @@ from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 
 def test_restart_resumes_without_rerunning_finished_lines(settings):
     first_engine = FakeEngine()

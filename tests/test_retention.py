@@ -8,6 +8,8 @@ from app.core import clock
 from app.domain import retention
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 HOUR = 3600
 FINAL = {"completed", "failed", "cancelled", "expired"}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import yaml
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, text
 from sqlmodel import SQLModel
 
 import app.domain.models  # noqa: F401
@@ -17,18 +17,30 @@ from app.core.migrate import upgrade_to_head
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_migrations_reach_the_models(tmp_path):
-    path = tmp_path / "empty.db"
-    upgrade_to_head(path)
-    engine = create_engine(f"sqlite:///{path}")
+BACKENDS = ("sqlite", "postgres")
+
+
+def test_migrations_reach_the_models(settings):
+    upgrade_to_head(settings.database)
+    upgrade_to_head(settings.database)  # a second start finds nothing to do
+    engine = create_engine(settings.database)
     with engine.connect() as connection:
-        diff = compare_metadata(MigrationContext.configure(connection), SQLModel.metadata)
+        diff = compare_metadata(MigrationContext.configure(connection, opts={"compare_type": True}), SQLModel.metadata)
     assert diff == []
+    if engine.dialect.name == "postgresql":  # what overflowed a 32-bit INTEGER
+        with engine.connect() as connection:
+            kind = connection.execute(
+                text(
+                    "SELECT data_type FROM information_schema.columns "
+                    "WHERE table_name = 'batches' AND column_name = 'created_ns'"
+                )
+            ).scalar()
+        assert kind == "bigint"
 
 
 def test_migrations_would_notice_a_missing_index(tmp_path):
     path = tmp_path / "drifted.db"
-    upgrade_to_head(path)
+    upgrade_to_head(f"sqlite:///{path}")
     engine = create_engine(f"sqlite:///{path}")
     with engine.begin() as connection:
         connection.exec_driver_sql("DROP INDEX ix_files_purpose")

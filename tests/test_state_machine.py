@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from app.core.db import make_engine
@@ -10,12 +12,13 @@ from app.domain.lifecycle import TERMINAL, TRANSITIONS, BatchStatus, InvalidTran
 from app.domain.models import FileRow
 from app.domain.schemas import CreateBatchRequest
 
+BACKENDS = ("sqlite", "postgres")
+
 
 @pytest.fixture
-def db(tmp_path):
-    path = tmp_path / "state.db"
-    upgrade_to_head(path)
-    engine = make_engine(path)
+def db(settings):
+    upgrade_to_head(settings.database)
+    engine = make_engine(settings.database)
     with batches.write_scope(engine) as session:
         session.add(FileRow(id="file-1", created_ns=1, created_at=1, bytes=1, filename="f", purpose="batch"))
         session.commit()
@@ -86,3 +89,29 @@ def test_another_owner_cannot_use_or_see_the_file_or_batch(db):
         with pytest.raises(NotFound):
             call()
     assert batches.get(db=db, batch_id=batch_id, owner="").status == "validating"
+
+
+def test_concurrent_creates_take_the_last_place_once(db):
+    # Each from its own input file: nothing but the quota's own lock stands between them.
+    with batches.write_scope(db) as session:
+        for i in range(8):
+            session.add(FileRow(id=f"file-r{i}", created_ns=i, created_at=1, bytes=1, filename="f", purpose="batch"))
+        session.commit()
+    outcomes: list[str] = []
+
+    def create(i: int) -> None:
+        request = CreateBatchRequest(
+            input_file_id=f"file-r{i}", endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        try:
+            batches.create(db=db, request=request, windows={"24h": 86400}, owner="", max_active=1)
+            outcomes.append("created")
+        except TooManyActive:
+            outcomes.append("refused")
+
+    threads = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes) == ["created"] + ["refused"] * 7

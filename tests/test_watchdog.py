@@ -13,6 +13,8 @@ from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
+BACKENDS = ("sqlite", "postgres")
+
 FINAL = {"completed", "failed", "cancelled", "expired"}
 GRACE = 1.0
 

@@ -3,8 +3,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from sqlalchemy.engine import Engine
 
-from app.api.deps import EngineDep, MetricsDep, OwnerDep, SettingsDep, StorageDep
+from app.api.deps import DbDep, EngineDep, MetricsDep, OwnerDep, SettingsDep, StorageDep
 from app.core.config import Settings
 from app.core.db import write_problem
 from app.core.storage import Storage
@@ -49,17 +50,17 @@ def metrics(registry: MetricsDep, engine: EngineDep, _: OwnerDep) -> Response:
 
 
 @router.get("/health", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
-def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
+def health(engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep) -> JSONResponse:
     """Everything: the engine's state and every problem of the database, the disk and the engine loop."""
-    status = health_status(engine, settings, storage)
+    status = health_status(engine, settings, storage, db)
     return JSONResponse(status.model_dump(), status_code=200 if status.status == "ok" else 503)
 
 
 @router.get("/health/ready", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
-def ready(engine: EngineDep, settings: SettingsDep, storage: StorageDep) -> JSONResponse:
+def ready(engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep) -> JSONResponse:
     """For a load balancer or Kubernetes' readinessProbe: 200 only while batches can be taken and run (a working
     engine, a database that takes writes, room on the disk)."""
-    return health(engine, settings, storage)
+    return health(engine, settings, storage, db)
 
 
 @router.get("/health/live", response_model=HealthStatus, responses={503: {"model": HealthStatus}})
@@ -70,11 +71,11 @@ def live(engine: EngineDep) -> JSONResponse:
     return JSONResponse(status.model_dump(), status_code=503 if engine.state == "down" else 200)
 
 
-def health_status(engine: EngineService, settings: Settings, storage: Storage) -> HealthStatus:
+def health_status(engine: EngineService, settings: Settings, storage: Storage, db: Engine) -> HealthStatus:
     problems = [
         problem
         for problem in (
-            write_problem(settings.database_path),
+            write_problem(db),
             _disk_problem(storage.free_bytes(), settings.min_free_disk_bytes),
             None if storage.reserve.held else "the disk filled up: its reserve is released until there is room again",
             engine.scheduler_error,

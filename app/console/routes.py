@@ -350,10 +350,10 @@ async def delete_file(request: Request, file_id: str, session: ChangeDep, db: Db
 
 @router.get("/engine")
 async def engine_page(
-    request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep
+    request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep
 ) -> Response:
     gpus = await asyncio.to_thread(gpu_usage)
-    health = health_status(engine, settings, storage)
+    health = health_status(engine, settings, storage, db)
     return _page(
         request,
         "engine.html",

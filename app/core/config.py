@@ -26,6 +26,9 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VBATCH_", extra="ignore")
 
     data_dir: Path = Path("data")
+    # SQLAlchemy URL of the database: unset, the SQLite file `vbatch.db` in the data directory; for Postgres,
+    # `postgresql+psycopg://user:password@host/dbname`.
+    database_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys, comma-separated and/or one a line in a file. With none, vbatch serves loopback only.
@@ -106,7 +109,13 @@ class Settings(BaseSettings):
 
     @property
     def database_path(self) -> Path:
+        """The default SQLite file (used only while `database_url` is unset)."""
         return self.data_dir / "vbatch.db"
+
+    @property
+    def database(self) -> str:
+        """The database's URL, set or default."""
+        return self.database_url or f"sqlite:///{self.database_path}"
 
     @property
     def files_dir(self) -> Path:

@@ -1,4 +1,6 @@
-"""SQLite engine and sessions. WAL with synchronous=FULL so a committed row survives a crash."""
+"""The database engine and sessions, by URL: SQLite (the default; WAL with synchronous=FULL so a committed row
+survives a crash, and one writer at a time) or Postgres (row locks where a write reads first, advisory locks where
+what must not change is a row that does not exist yet)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from sqlalchemy import event
-from sqlalchemy.engine import Engine
+from sqlalchemy import event, text
+from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, create_engine
 
 BUSY_TIMEOUT_MS = 10_000
+CONNECT_TIMEOUT_S = 5
 _IMMEDIATE = "vbatch_immediate"
 
 
@@ -30,9 +34,22 @@ def _on_begin(connection) -> None:
     connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
 
 
-def make_engine(path: Path) -> Engine:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False})
+def is_sqlite(url: str) -> bool:
+    return make_url(url).get_backend_name() == "sqlite"
+
+
+def sqlite_path(url: str) -> Path:
+    database = make_url(url).database
+    assert database, f"{url} names no SQLite file"
+    return Path(database)
+
+
+def make_engine(url: str) -> Engine:
+    if not is_sqlite(url):
+        # A connection the server closed (a restart, a failover) is replaced before use, not failed on.
+        return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
+    engine = create_engine(url, connect_args={"check_same_thread": False})
     event.listen(engine, "connect", _on_connect)
     event.listen(engine, "begin", _on_begin)
     return engine
@@ -47,14 +64,35 @@ def session_scope(engine: Engine) -> Iterator[Session]:
 
 @contextmanager
 def write_scope(engine: Engine) -> Iterator[Session]:
-    """A read-modify-write session: BEGIN IMMEDIATE takes the write lock first, so two writers never interleave."""
+    """A read-modify-write session. On SQLite BEGIN IMMEDIATE takes the write lock first, so two writers never
+    interleave; on Postgres each read that a write depends on locks its row (`with_for_update`, ignored by
+    SQLite) or takes `lock_name`."""
     with Session(engine.execution_options(**{_IMMEDIATE: True}), expire_on_commit=False) as session:
         yield session
 
 
-def write_problem(path: Path) -> str | None:
-    """Why the database cannot take a write now (read-only, full disk, unreadable), or None. A writer holding the
-    lock is no problem: the check waits for nobody."""
+def lock_name(session: Session, name: str) -> None:
+    """Hold `name` until the transaction ends: for a rule over rows that may not exist yet (a count, a unique
+    choice). SQLite's write lock already covers it; Postgres takes an advisory transaction lock."""
+    bind = session.get_bind()
+    if bind.dialect.name == "postgresql":
+        session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:name, 0))"), {"name": name})
+
+
+def write_problem(engine: Engine) -> str | None:
+    """Why the database cannot take a write now (read-only, full disk, unreachable), or None. A writer holding
+    the lock is no problem: the check waits for nobody."""
+    if engine.dialect.name == "sqlite":
+        return _sqlite_write_problem(Path(engine.url.database or ""))
+    try:
+        with engine.connect() as connection:
+            read_only = connection.execute(text("SHOW transaction_read_only")).scalar()
+    except SQLAlchemyError as exc:
+        return f"the database cannot be reached ({type(exc).__name__})"
+    return "the database takes no writes (a read-only server or replica)" if read_only == "on" else None
+
+
+def _sqlite_write_problem(path: Path) -> str | None:
     try:
         connection = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=0, isolation_level=None)
     except sqlite3.Error as exc:

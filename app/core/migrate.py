@@ -8,6 +8,8 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from app.core.db import is_sqlite, sqlite_path
+
 
 def migrations_dir() -> Path:
     """The top-level `migrations/` ships inside the wheel as the package `app.migrations` (pyproject.toml); a source
@@ -18,13 +20,16 @@ def migrations_dir() -> Path:
     return Path(__file__).resolve().parents[2] / "migrations"
 
 
-def alembic_config(database_path: Path) -> Config:
+def alembic_config(url: str) -> Config:
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
-    config.set_main_option("sqlalchemy.url", f"sqlite:///{database_path}")
+    # Alembic's config interpolates `%`; a password may hold one.
+    config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config
 
 
-def upgrade_to_head(database_path: Path) -> None:
-    database_path.parent.mkdir(parents=True, exist_ok=True)
-    command.upgrade(alembic_config(database_path), "head")
+def upgrade_to_head(url: str) -> None:
+    """Several processes may start at once on one server database: env.py serialises them on a lock."""
+    if is_sqlite(url):
+        sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
+    command.upgrade(alembic_config(url), "head")

@@ -11,7 +11,7 @@ from sqlmodel import col, func, select
 
 from app.core import clock
 from app.core.auth import visible
-from app.core.db import session_scope, write_scope
+from app.core.db import lock_name, session_scope, write_scope
 from app.core.ids import new_id
 from app.domain import events, files
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
@@ -144,7 +144,9 @@ def create(
 ) -> BatchRow:
     _check_request(request, windows)
     with write_scope(db) as session:
-        source = session.get(FileRow, request.input_file_id)
+        # The input stays until this commits (a delete waits on its row); the count holds (a create waits).
+        source = session.get(FileRow, request.input_file_id, with_for_update=True)
+        lock_name(session, f"active-batches:{owner}")
         if not files.usable(source, owner):
             raise NotFound("File", request.input_file_id, param="input_file_id")
         assert source is not None
@@ -279,7 +281,7 @@ def _move(
 ) -> BatchRow:
     with write_scope(db) as session:
         session.add_all(new_files)
-        row = session.get(BatchRow, batch_id)
+        row = session.get(BatchRow, batch_id, with_for_update=True)
         if row is None:
             raise NotFound("Batch", batch_id)
         check_move(row.status, to)
@@ -311,7 +313,7 @@ def request_cancel(*, db: Engine, batch_id: str, owner: str) -> BatchRow:
 
 def _update(*, db: Engine, batch_id: str, **fields: object) -> None:
     with write_scope(db) as session:
-        row = session.get(BatchRow, batch_id)
+        row = session.get(BatchRow, batch_id, with_for_update=True)
         if row is None:
             raise NotFound("Batch", batch_id)
         for name, value in fields.items():

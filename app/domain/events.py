@@ -56,6 +56,7 @@ def claim_due(*, db: Engine, now: float, lease: float, limit: int) -> list[Webho
             .where(WebhookEvent.next_attempt_at <= now)
             .order_by(col(WebhookEvent.next_attempt_at))
             .limit(limit)
+            .with_for_update(skip_locked=True)  # Postgres: senders in other processes take other events
         )
         rows = list(session.exec(statement).all())
         for row in rows:
@@ -70,7 +71,7 @@ def record_attempt(
 ) -> None:
     """After a try: delivered, or to be tried again at `retry_at`, or (None) given up."""
     with write_scope(db) as session:
-        row = session.get(WebhookEvent, event_id)
+        row = session.get(WebhookEvent, event_id, with_for_update=True)
         if row is None:
             return
         row.attempts += 1

@@ -102,7 +102,7 @@ def list_files(*, db: Engine, owner: str, purpose: str | None, limit: int, order
 async def delete(*, db: Engine, storage: Storage, file_id: str, owner: str | None) -> None:
     """The row goes and a tombstone takes its place, in one write transaction; the bytes go after it commits."""
     with write_scope(db) as session:
-        row = session.get(FileRow, file_id)
+        row = session.get(FileRow, file_id, with_for_update=True)
         if row is None or not visible(row.owner, owner):
             raise NotFound("File", file_id)
         session.delete(row)

@@ -13,10 +13,10 @@ class FileRow(SQLModel, table=True):
 
     id: str = Field(primary_key=True)
     # Nanosecond creation time: a total order for listing and cursors (several files share a second).
-    created_ns: int = Field(index=True)
+    created_ns: int = Field(index=True, sa_type=BigInteger)
     created_at: int
     expires_at: int | None = None
-    bytes: int
+    bytes: int = Field(sa_type=BigInteger)
     filename: str
     purpose: str = Field(index=True)
     status: str = "processed"
@@ -29,7 +29,7 @@ class BatchRow(SQLModel, table=True):
     __tablename__ = "batches"
 
     id: str = Field(primary_key=True)
-    created_ns: int = Field(index=True)
+    created_ns: int = Field(index=True, sa_type=BigInteger)
     endpoint: str
     input_file_id: str
     completion_window: str
@@ -56,15 +56,15 @@ class BatchRow(SQLModel, table=True):
     completed: int = 0
     failed: int = 0
 
-    input_tokens: int = 0
-    cached_tokens: int = 0
-    output_tokens: int = 0
-    reasoning_tokens: int = 0
+    input_tokens: int = Field(default=0, sa_type=BigInteger)
+    cached_tokens: int = Field(default=0, sa_type=BigInteger)
+    output_tokens: int = Field(default=0, sa_type=BigInteger)
+    reasoning_tokens: int = Field(default=0, sa_type=BigInteger)
 
     # The last checkpoint: how many bytes of `<id>.output.part` / `<id>.error.part` are fsynced and counted above.
     # A restart cuts the part files back to these lengths, so counts and files always agree.
-    output_bytes_done: int = 0
-    error_bytes_done: int = 0
+    output_bytes_done: int = Field(default=0, sa_type=BigInteger)
+    error_bytes_done: int = Field(default=0, sa_type=BigInteger)
     # Seconds from the start of the last run to each stage it reached (JSON), written when the batch ends.
     timeline_json: str | None = None
     # The rate history of that run (`RunStats.series`, JSON), written when the batch ends.
