@@ -25,7 +25,7 @@ from app.console.sessions import SessionSigner, load_secret
 from app.core import clock
 from app.core.auth import KeyRing
 from app.core.config import Settings
-from app.core.db import make_engine
+from app.core.db import claim_database, make_engine
 from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
@@ -50,6 +50,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         app.state.console_signer = SessionSigner(load_secret(settings.data_dir))
         upgrade_to_head(settings.database)
         app.state.db = make_engine(settings.database)
+        claim = claim_database(app.state.db)
         reserve = DiskReserve(
             settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
         )
@@ -68,6 +69,8 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await _drain(engine, settings.drain_seconds)
+            if claim is not None:
+                claim.close()
             app.state.db.dispose()
 
     app = FastAPI(

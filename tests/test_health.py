@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
 
-from app.core.db import make_engine, write_problem
+from app.core.config import Settings
+from app.core.db import DatabaseTaken, make_engine, write_problem
 from app.domain import batches
+from app.engine.service import EngineService
+from app.main import create_app
+from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
 
@@ -67,3 +73,19 @@ def test_probes_ready_only_when_work_can_run_and_live_unless_a_restart_is_what_h
     wait_for(lambda: client.get("/health/live").status_code == 503)
     assert client.get("/health/live").json()["status"] == "down"
     assert client.get("/health/ready").status_code == 503
+
+
+def test_a_second_service_on_one_postgres_database_refuses_to_start(postgres, tmp_path, engine_service):
+    url = postgres.new_database()
+    first = Settings(data_dir=tmp_path / "a", database_url=url, disk_reserve_bytes=0)
+    second = Settings(data_dir=tmp_path / "b", database_url=url, disk_reserve_bytes=0)
+    with TestClient(create_app(first, engine_service)) as running:
+        with (
+            pytest.raises(DatabaseTaken, match="another vbatch service"),
+            TestClient(create_app(second, EngineService(FakeEngine()))),
+        ):
+            pass
+        assert running.get("/health").status_code == 200
+    # Stopped, the first lets the next one in.
+    with TestClient(create_app(second, EngineService(FakeEngine()))) as after:
+        assert after.get("/health").status_code == 200

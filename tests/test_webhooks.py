@@ -86,6 +86,8 @@ def test_every_final_state_sends_its_event_and_the_sdk_verifies_it(settings, fak
         for batch in (expired, cancelled):
             wait_status(client, batch["id"], FINAL)
         wait_for(lambda: len(receiver.received) == 4)
+        # The receiver answers before the sender records the delivery: wait for the record, not the request.
+        wait_for(lambda: all(row["delivered_at"] is not None for row in outbox(settings)))
     kinds = {event.data.id: event.type for event in receiver.events()}
     assert kinds == {
         completed["id"]: "batch.completed",

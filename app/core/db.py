@@ -10,7 +10,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Connection, Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, create_engine
 
@@ -77,6 +77,28 @@ def lock_name(session: Session, name: str) -> None:
     bind = session.get_bind()
     if bind.dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:name, 0))"), {"name": name})
+
+
+class DatabaseTaken(RuntimeError):
+    pass
+
+
+def claim_database(engine: Engine) -> Connection | None:
+    """The running service's claim on a server database, held as long as the returned connection stays open:
+    until batches are shared out in shards, two services on one database would both run every batch. SQLite
+    needs none (its file lives in the service's own data directory)."""
+    if engine.dialect.name == "sqlite":
+        return None
+    connection = engine.connect()
+    taken = connection.execute(text("SELECT pg_try_advisory_lock(hashtextextended('vbatch-service', 0))")).scalar()
+    connection.commit()
+    if not taken:
+        connection.close()
+        raise DatabaseTaken(
+            f"another vbatch service already runs on {engine.url.render_as_string(hide_password=True)}; "
+            "one service per database until API replicas and workers are split"
+        )
+    return connection
 
 
 def write_problem(engine: Engine) -> str | None:
