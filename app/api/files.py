@@ -8,7 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import DbDep, OwnerDep, SettingsDep, StorageDep
 from app.api.errors import bad_request
-from app.api.uploads import receive_upload
+from app.api.uploads import store_upload
 from app.domain import files
 from app.domain.schemas import DeletedFile, ErrorResponse, FileList, OpenAIFile
 
@@ -44,16 +44,7 @@ _FILE_FORM = {
 async def create_file(
     request: Request, settings: SettingsDep, db: DbDep, storage: StorageDep, owner: OwnerDep
 ) -> OpenAIFile:
-    upload = await receive_upload(request, storage=storage, settings=settings)
-    row = files.record_upload(
-        db=db,
-        file_id=upload.file_id,
-        size=upload.size,
-        filename=upload.filename,
-        purpose=upload.purpose,
-        ttl_seconds=upload.ttl_seconds,
-        owner=owner,
-    )
+    row = await store_upload(request, storage=storage, settings=settings, db=db, owner=owner)
     return files.to_wire(row)
 
 

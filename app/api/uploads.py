@@ -12,12 +12,15 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, MultipartState, parse_options_header
+from sqlalchemy.engine import Engine
 
 from app.api.errors import APIError, bad_request
 from app.core.config import Settings
 from app.core.ids import new_id
 from app.core.storage import Storage, UploadTooLarge
+from app.domain import files
 from app.domain.files import check_purpose
+from app.domain.models import FileRow
 
 MIN_TTL, MAX_TTL = 3600, 2_592_000
 # Room for the form's own bytes (boundaries, part headers, small fields) on top of the file's limit.
@@ -185,6 +188,21 @@ def _check_declared(request: Request, limit: int) -> None:
     declared = _declared_length(request)
     if declared is not None and declared > limit + FORM_OVERHEAD:
         raise _too_large(limit)
+
+
+async def store_upload(request: Request, *, storage: Storage, settings: Settings, db: Engine, owner: str) -> FileRow:
+    """The multipart form's file stored and recorded as `owner`'s file object (the API's and the console's
+    upload)."""
+    upload = await receive_upload(request, storage=storage, settings=settings)
+    return files.record_upload(
+        db=db,
+        file_id=upload.file_id,
+        size=upload.size,
+        filename=upload.filename,
+        purpose=upload.purpose,
+        ttl_seconds=upload.ttl_seconds,
+        owner=owner,
+    )
 
 
 async def receive_upload(request: Request, *, storage: Storage, settings: Settings) -> Upload:

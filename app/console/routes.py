@@ -15,7 +15,7 @@ from fastapi.templating import Jinja2Templates
 from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
 from app.api.errors import from_domain
 from app.api.system import health_status
-from app.api.uploads import receive_upload
+from app.api.uploads import store_upload
 from app.console import present
 from app.console.access import (
     CSRF_FIELD,
@@ -151,6 +151,7 @@ def _batch_rows(db, engine, session: Session, status: str | None, after: str | N
 
 
 @router.get("/batches")
+@router.get("/batches/rows")  # before /batches/{batch_id}, which would take "rows" for an id
 def batches_page(
     request: Request,
     session: SessionDep,
@@ -159,20 +160,11 @@ def batches_page(
     status: str | None = None,
     after: str | None = None,
 ) -> Response:
+    """The page, or (`/rows`) the table rows that console.js refreshes."""
     rows = _batch_rows(db, engine, session, status, after)
+    if request.url.path.endswith("/rows"):
+        return _page(request, "_batch_rows.html", session, **rows)
     return _page(request, "batches.html", session, statuses=[s.value for s in BatchStatus], **rows)
-
-
-@router.get("/batches/rows")
-def batches_fragment(
-    request: Request,
-    session: SessionDep,
-    db: DbDep,
-    engine: EngineDep,
-    status: str | None = None,
-    after: str | None = None,
-) -> Response:
-    return _page(request, "_batch_rows.html", session, **_batch_rows(db, engine, session, status, after))
 
 
 async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
@@ -194,19 +186,14 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
 
 
 @router.get("/batches/{batch_id}")
+@router.get("/batches/{batch_id}/panel")
 async def batch_page(
     request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
 ) -> Response:
+    """The page, or (`/panel`) the part of it that console.js refreshes."""
     context = await _batch_context(batch_id, session, db, storage, engine)
-    return _page(request, "batch.html", session, **context)
-
-
-@router.get("/batches/{batch_id}/panel")
-async def batch_fragment(
-    request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
-) -> Response:
-    context = await _batch_context(batch_id, session, db, storage, engine)
-    return _page(request, "_batch_panel.html", session, **context)
+    template = "_batch_panel.html" if request.url.path.endswith("/panel") else "batch.html"
+    return _page(request, template, session, **context)
 
 
 @router.get("/batches/{batch_id}/progress.json")
@@ -256,23 +243,8 @@ async def upload(
     endpoint: str = "/v1/chat/completions",
 ) -> Response:
     """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
-    stored = await receive_upload(request, storage=storage, settings=settings)
-    row = files.record_upload(
-        db=db,
-        file_id=stored.file_id,
-        size=stored.size,
-        filename=stored.filename,
-        purpose=stored.purpose,
-        ttl_seconds=stored.ttl_seconds,
-        owner=session.owner,
-    )
-    limits = Limits(
-        endpoint=endpoint,
-        served_models=frozenset(engine.served_models),
-        max_requests=settings.max_requests_per_batch,
-        max_line_bytes=settings.max_line_bytes,
-        max_choices=settings.max_choices_per_request,
-    )
+    row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
+    limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
     report = await asyncio.to_thread(validate_file, storage.path(row.id), limits)
     problems = [error.model_dump() for error in report.errors]
     return JSONResponse(

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 
+from app.core.config import Settings
 from app.domain.input_index import InputIndex
 from app.domain.schemas import BatchError
 
@@ -25,6 +26,16 @@ class Limits:
     max_requests: int
     max_line_bytes: int
     max_choices: int = 128
+
+    @classmethod
+    def from_settings(cls, settings: Settings, *, endpoint: str, served_models: Iterable[str]) -> Limits:
+        return cls(
+            endpoint=endpoint,
+            served_models=frozenset(served_models),
+            max_requests=settings.max_requests_per_batch,
+            max_line_bytes=settings.max_line_bytes,
+            max_choices=settings.max_choices_per_request,
+        )
 
 
 @dataclass

@@ -25,13 +25,7 @@ log = logging.getLogger("vbatch.runner")
 
 
 def _limits(ctx: Context, row: BatchRow) -> Limits:
-    return Limits(
-        endpoint=row.endpoint,
-        served_models=frozenset(ctx.served_models),
-        max_requests=ctx.settings.max_requests_per_batch,
-        max_line_bytes=ctx.settings.max_line_bytes,
-        max_choices=ctx.settings.max_choices_per_request,
-    )
+    return Limits.from_settings(ctx.settings, endpoint=row.endpoint, served_models=ctx.served_models)
 
 
 async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | None]:

@@ -184,6 +184,21 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     assert on_disk == owned == {batch.input_file_id, batch.output_file_id}
 
 
+def kill_the_engine_core_mid_run(lineage: Lineage, client: OpenAI) -> None:
+    """`kill -9` of the engine core while a 16-line batch runs (the server holds at 4 lines sent): the service
+    starts a new one and the batch completes, each line once, those seen before the kill as first written."""
+    assert lineage.server is not None
+    with holding(lineage.data_dir):
+        killed = create(client, request_lines(16))
+        seen = lineage.wait_partial(killed, at_least=2)
+        [core] = lineage.server.engine_core_pids()
+        os.kill(core, signal.SIGKILL)
+    batch = wait_done(client, killed)
+    assert batch.status == "completed"
+    check_exactly_once(client, batch, 16, seen)
+    assert lineage.server.engine_core_pids() != [core]
+
+
 def test_engine_death_poison_line_and_sigterm(lineage):
     server = lineage.start(failpoint="poison,hold_after:4")
     client = lineage.client()
@@ -191,15 +206,7 @@ def test_engine_death_poison_line_and_sigterm(lineage):
     assert "starting" in server.health_seen
 
     # The engine core alone is killed mid-run: the service restarts it and the batch completes.
-    with holding(lineage.data_dir):  # at most 4 lines sent: the kill is certain to land mid-run
-        killed = create(client, request_lines(16))
-        seen = lineage.wait_partial(killed, at_least=2)
-        [core] = server.engine_core_pids()
-        os.kill(core, signal.SIGKILL)
-    batch = wait_done(client, killed)
-    assert batch.status == "completed"
-    check_exactly_once(client, batch, 16, seen)
-    assert server.engine_core_pids() != [core]
+    kill_the_engine_core_mid_run(lineage, client)
 
     # A line that kills the engine each time it runs ends in the error file; the others succeed.
     poisoned = create(client, request_lines(8, poison=3))
@@ -256,15 +263,8 @@ def test_behind_two_front_end_processes_an_engine_death_and_a_cancel(lineage):
     server = lineage.start(failpoint="hold_after:4")
     client = lineage.client()
     assert len(server.frontend_pids()) == 2
-    with holding(lineage.data_dir):  # at most 4 lines sent: the kill is certain to land mid-run
-        killed = create(client, request_lines(16))
-        seen = lineage.wait_partial(killed, at_least=2)
-        [core] = server.engine_core_pids()
-        os.kill(core, signal.SIGKILL)
-    batch = wait_done(client, killed)
-    assert batch.status == "completed"
-    check_exactly_once(client, batch, 16, seen)
-    assert server.engine_core_pids() != [core] and len(server.frontend_pids()) == 2
+    kill_the_engine_core_mid_run(lineage, client)
+    assert len(server.frontend_pids()) == 2
 
     with holding(lineage.data_dir):
         cancelled = create(client, request_lines(16))
