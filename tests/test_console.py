@@ -133,6 +133,8 @@ def test_with_keys_the_console_asks_once_and_never_keeps_the_key(tmp_path, engin
         assert client.get("/console/batches/rows", headers={"X-Requested-With": "vbatch-console"}).status_code == 401
         wrong = client.post("/console/login", data={"key": "sk-wrong"})
         assert wrong.status_code == 401 and "not one this service knows" in wrong.text
+        foreign = client.post("/console/login", data={"key": KEY_A}, headers={"Origin": "http://evil.example"})
+        assert foreign.status_code == 403 and COOKIE not in client.cookies
         outward = client.post(
             "/console/login", data={"key": KEY_A, "next": "https://evil.example/"}, follow_redirects=False
         )

@@ -12,7 +12,7 @@ from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, Request
 
-from app.console.sessions import COOKIE, Session, SessionSigner
+from app.console.sessions import COOKIE, LIFETIME_SECONDS, Session, SessionSigner
 from app.core.auth import ANONYMOUS, KeyRing
 
 CSRF_FIELD = "csrf_token"
@@ -45,10 +45,15 @@ def _session(request: Request) -> Session:
     return session
 
 
-async def _changing(request: Request, session: Annotated[Session, Depends(_session)]) -> Session:
+def check_origin(request: Request) -> None:
+    """A browser names the page a POST comes from; one from another site is refused (no token is needed for it)."""
     origin = request.headers.get("origin")
     if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
         raise Forbidden
+
+
+async def _changing(request: Request, session: Annotated[Session, Depends(_session)]) -> Session:
+    check_origin(request)
     token = request.headers.get(CSRF_HEADER)
     if token is None and request.headers.get("content-type", "").startswith("application/x-www-form-urlencoded"):
         form = await request.form()
@@ -84,16 +89,15 @@ def from_script(request: Request) -> bool:
     return request.headers.get(SCRIPT_HEADER) == SCRIPT_VALUE
 
 
-def new_session_cookie(request: Request, owner: str = ANONYMOUS) -> tuple[Session, dict]:
-    """A new session and the `set_cookie` arguments that carry it."""
-    session, value = signer_of(request).issue(owner)
-    cookie = {
+def new_session_cookie(request: Request, owner: str = ANONYMOUS) -> dict:
+    """The `set_cookie` arguments of a new session for `owner`."""
+    _, value = signer_of(request).issue(owner)
+    return {
         "key": COOKIE,
         "value": value,
         "httponly": True,
         "samesite": "strict",
         "secure": request.url.scheme == "https",
         "path": "/console",
-        "max_age": 12 * 3600,
+        "max_age": LIFETIME_SECONDS,
     }
-    return session, cookie

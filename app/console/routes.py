@@ -24,6 +24,7 @@ from app.console.access import (
     LoginRequired,
     SessionDep,
     anonymous_allowed,
+    check_origin,
     from_script,
     keys_of,
     login_url,
@@ -86,7 +87,7 @@ def _login_required(request: Request) -> Response:
     if anonymous_allowed(request) and request.method == "GET":
         # Without keys the console is loopback's, as the API is: a session is all the visitor lacked.
         response: Response = RedirectResponse(str(request.url), status_code=303)
-        response.set_cookie(**new_session_cookie(request)[1])
+        response.set_cookie(**new_session_cookie(request))
         return response
     if from_script(request):
         return JSONResponse({"error": {"message": "Log in again."}}, status_code=401)
@@ -108,21 +109,19 @@ def login_page(request: Request, next: str | None = None) -> Response:
 
 @router.post("/login")
 def login(request: Request, key: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
-    origin = request.headers.get("origin")
-    if origin is not None and origin.split("://", 1)[-1] != request.headers.get("host"):
-        raise Forbidden
+    check_origin(request)
     try:
         owner = keys_of(request).owner(f"Bearer {key}")
     except Unauthenticated:
         return _page(request, "login.html", None, status_code=401, next=safe_next(next), failed=True)
     response: Response = RedirectResponse(safe_next(next), status_code=303)
-    response.set_cookie(**new_session_cookie(request, owner)[1])
+    response.set_cookie(**new_session_cookie(request, owner))
     return response
 
 
 @router.post("/logout")
 def logout(request: Request, _: ChangeDep) -> Response:
-    response: Response = RedirectResponse("/console/login" if keys_of(request).enabled else "/", status_code=303)
+    response: Response = RedirectResponse("/console/login", status_code=303)
     response.delete_cookie(COOKIE, path="/console")
     return response
 
