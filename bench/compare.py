@@ -17,6 +17,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.testing import LocalPostgres
 from bench.common import VbatchServer, measure, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
@@ -51,15 +52,27 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
     return flags + (["--enforce-eager"] if args.eager else [])
 
 
-def vbatch_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
-    server = VbatchServer(out / "vbatch-data", 8123, engine_flags(args), out / "vbatch-serve.log")
+def vbatch_side(
+    args: argparse.Namespace, tickets: Path, out: Path, *, name: str = "vbatch", env: dict | None = None
+) -> dict:
+    server = VbatchServer(out / f"{name}-data", 8123, engine_flags(args), out / f"{name}-serve.log", env=env)
     try:
         start_s = server.wait_ready(timeout=400)
         warm_up(server.base_url, out, SERVED, SAMPLING)
         measured = measure(server, tickets, hammer=args.poll_load)
-        return {"side": "vbatch", "engine_start_s": round(start_s, 2), **measured}
+        return {"side": name, "engine_start_s": round(start_s, 2), **measured}
     finally:
         server.stop()
+
+
+def vbatch_postgres_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    """The same service with its database on Postgres (pgserver's PostgreSQL 16, on this machine's Unix socket)."""
+    postgres = LocalPostgres(out / "pg")
+    try:
+        url = postgres.new_database()
+        return vbatch_side(args, tickets, out, name="vbatch_postgres", env={"VBATCH_DATABASE_URL": url})
+    finally:
+        postgres.stop()
 
 
 def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
@@ -109,7 +122,12 @@ def main() -> None:
     sampling = {**SAMPLING, "max_tokens": args.max_tokens}
     tickets = args.out / "tickets.jsonl"
     write_ticket_batch(tickets, args.prompts, model=SERVED, sampling=sampling)
-    sides = {"vbatch": vbatch_side, "llm_chat": llm_chat_side, "run_batch": run_batch_side}
+    sides = {
+        "vbatch": vbatch_side,
+        "vbatch_postgres": vbatch_postgres_side,
+        "llm_chat": llm_chat_side,
+        "run_batch": run_batch_side,
+    }
     results = {"meta": {**json.loads(args.meta), "prompts": args.prompts, "sampling": sampling}, "sides": {}}
     for name in args.sides.split(","):
         try:
@@ -133,8 +151,15 @@ def print_table(results: dict) -> None:
         print(f"throughput vbatch / LLM.chat: {v['output_tokens_per_s'] / chat['output_tokens_per_s']:.2f}x")
     if v.get("turnaround_s") and rb.get("whole_s"):
         print(f"turnaround vbatch / run-batch whole run: {v['turnaround_s'] / rb['whole_s']:.2f}x")
-    if v.get("poll_p99_ms") is not None:
-        print(f"GET /v1/batches/{{id}} while saturated: p50 {v['poll_p50_ms']} ms, p99 {v['poll_p99_ms']} ms")
+    for name in ("vbatch", "vbatch_postgres"):
+        r = sides.get(name, {})
+        if r.get("poll_p99_ms") is not None:
+            print(
+                f"{name}: GET /v1/batches/{{id}} while saturated: p50 {r['poll_p50_ms']} ms, p99 {r['poll_p99_ms']} ms"
+            )
+    pg = sides.get("vbatch_postgres", {})
+    if v.get("turnaround_s") and pg.get("turnaround_s"):
+        print(f"turnaround on Postgres / on SQLite: {pg['turnaround_s'] / v['turnaround_s']:.2f}x")
 
 
 if __name__ == "__main__":
