@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 from fastapi.testclient import TestClient
+from sqlalchemy import create_engine, text
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -24,6 +25,8 @@ from app.main import create_app
 from app.testing import VbatchServer
 from tests.helpers import create_batch, free_port, jsonl, request_line, serving, upload, wait_for, wait_status
 from tests.test_metrics import scrape
+
+BACKENDS = ("sqlite", "postgres")
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 FINAL = {"completed", "failed", "cancelled", "expired"}
@@ -67,10 +70,13 @@ def with_webhook(settings, url: str, *, allow_private: bool = True):
     return settings
 
 
-def outbox(settings) -> list[sqlite3.Row]:
-    with sqlite3.connect(settings.database_path) as db:
-        db.row_factory = sqlite3.Row
-        return db.execute("SELECT * FROM webhook_events").fetchall()
+def outbox(settings) -> list:
+    engine = create_engine(settings.database)
+    try:
+        with engine.connect() as connection:
+            return list(connection.execute(text("SELECT * FROM webhook_events")).mappings())
+    finally:
+        engine.dispose()
 
 
 def test_every_final_state_sends_its_event_and_the_sdk_verifies_it(settings, fake_engine, receiver):
