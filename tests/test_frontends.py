@@ -100,3 +100,34 @@ def test_an_engine_core_that_exits_fails_what_is_in_flight():
                 await pool.execute("/v1/chat/completions", {"n": 1})
 
     asyncio.run(scenario())
+
+
+def test_a_stack_dump_names_the_innermost_await_through_context_managers():
+    from contextlib import asynccontextmanager
+
+    from app.engine.frontends import await_chain
+
+    async def deepest(release: asyncio.Event) -> None:
+        await release.wait()
+
+    @asynccontextmanager
+    async def opening(release: asyncio.Event):
+        await deepest(release)
+        yield
+
+    async def outer(release: asyncio.Event) -> None:
+        async with opening(release):
+            pass
+
+    async def main() -> list[str]:
+        release = asyncio.Event()
+        task = asyncio.create_task(outer(release))
+        await asyncio.sleep(0.01)
+        chain = await_chain(task)
+        release.set()
+        await task
+        return chain
+
+    chain = asyncio.run(main())
+    names = [place.rsplit(" in ", 1)[-1] for place in chain if " in " in place]
+    assert names[0] == "outer" and "opening" in names and "deepest" in names and names[-1] == "wait"

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
+import gc
 import itertools
 import logging
 import os
@@ -321,14 +321,34 @@ async def serve(serving: Serving, address: str, index: int) -> None:
         context.term()
 
 
+def await_chain(task: asyncio.Task) -> list[str]:
+    """Where a task waits, outermost first, through every coroutine and async generator it awaits
+    (`Task.print_stack` shows only the outermost frame of a suspended task, which says nothing about a hang)."""
+    places: list[str] = []
+    awaited: Any = task.get_coro()
+    while awaited is not None:
+        if type(awaited).__name__ == "async_generator_asend":  # an async generator's step: into the generator
+            awaited = next((ref for ref in gc.get_referents(awaited) if hasattr(ref, "ag_frame")), None)
+            continue
+        frame = _first_attr(awaited, ("cr_frame", "gi_frame", "ag_frame"))
+        if frame is None:
+            places.append(f"  waiting on {awaited!r}"[:300])
+            break
+        places.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
+        awaited = _first_attr(awaited, ("cr_await", "gi_yieldfrom", "ag_await"))
+    return places
+
+
+def _first_attr(value: Any, names: tuple[str, ...]) -> Any:
+    return next((getattr(value, name) for name in names if getattr(value, name, None) is not None), None)
+
+
 def watch_for_stack_dumps() -> None:
     """`kill -USR1` of a front end logs what each of its tasks waits on: a front end that hangs says where."""
 
     def dump() -> None:
         for task in asyncio.all_tasks():
-            stack = io.StringIO()
-            task.print_stack(file=stack)
-            log.warning("front end task %s:\n%s", task.get_name(), stack.getvalue())
+            log.warning("front end task %s awaits:\n%s", task.get_name(), "\n".join(await_chain(task)))
 
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, dump)
 
