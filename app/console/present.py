@@ -22,7 +22,7 @@ LIFECYCLE = (
     ("expired", "expired_at"),
     ("cancelled", "cancelled_at"),
 )
-ENDINGS = ("completed_at", "failed_at", "expired_at", "cancelled_at")
+ENDINGS = tuple(f"{status}_at" for status in TERMINAL)
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -110,9 +110,9 @@ def size(count: int) -> str:
     value = float(count)
     for unit in ("B", "KB", "MB", "GB"):
         if value < 1000 or unit == "GB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+            break
         value /= 1000
-    return f"{count} B"
+    return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
 
 
 def duration(seconds: float | None) -> str:

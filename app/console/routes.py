@@ -7,7 +7,7 @@ import asyncio
 from pathlib import Path
 from typing import Annotated
 
-from fastapi import APIRouter, Form, Query, Request
+from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from fastapi.templating import Jinja2Templates
@@ -37,7 +37,7 @@ from app.core.gpu import gpu_usage
 from app.domain import batches, files
 from app.domain.errors import DomainError, InvalidRequest, Unauthenticated
 from app.domain.lifecycle import ACTIVE, BatchStatus
-from app.domain.partial_output import first_lines, open_partial
+from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
 from app.domain.validation import Limits, validate_file
 
@@ -169,14 +169,15 @@ def batches_page(
 async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
     batch = batches.to_wire(row)
-    progress = batches.progress(row, engine.live_stats(row.id))
+    stats = engine.live_stats(row.id)
+    progress = batches.progress(row, stats)
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
     return {
         "batch": batch,
         "progress": progress,
-        "row": present.batch_row(batch, engine.live_stats(row.id)),
+        "row": present.batch_row(batch, stats),
         "timeline": present.lifecycle(batch),
         "run_stages": present.run_stages(progress.timeline),
         "error_lines": [present.error_line(line) for line in error_lines],
@@ -214,11 +215,9 @@ async def partial_download(
     session: SessionDep,
     db: DbDep,
     storage: StorageDep,
-    kind: Annotated[str, Query(pattern="^(output|error)$")] = "output",
+    kind: Kind = "output",
 ) -> Response:
-    chunks, size = await open_partial(
-        db=db, storage=storage, batch_id=batch_id, kind="error" if kind == "error" else "output", owner=session.owner
-    )
+    chunks, size = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=session.owner)
     headers = {
         "Content-Length": str(size),
         "Content-Disposition": f'attachment; filename="{batch_id}.{kind}.partial.jsonl"',
@@ -311,11 +310,7 @@ async def _opened(storage, file_id: str):
 
 @router.post("/files/{file_id}/delete")
 async def delete_file(request: Request, file_id: str, session: ChangeDep, db: DbDep, storage: StorageDep) -> Response:
-    files.get(db=db, file_id=file_id, owner=session.owner)
-    using = batches.active_using(db=db, file_id=file_id)
-    if using:
-        raise InvalidRequest(f"File {file_id} is the input of {', '.join(using)}, still running; it is kept.")
-    await files.delete(db=db, storage=storage, file_id=file_id, owner=session.owner)
+    await files.delete(db=db, storage=storage, file_id=file_id, owner=session.owner, keep_if_in_use=True)
     return RedirectResponse("/console/files", status_code=303)
 
 

@@ -337,13 +337,6 @@ def active(*, db: Engine) -> list[BatchRow]:
         return list(session.exec(statement).all())
 
 
-def active_using(*, db: Engine, file_id: str) -> list[str]:
-    """Active batches that read `file_id` as their input."""
-    with session_scope(db) as session:
-        statement = select(BatchRow.id).where(col(BatchRow.input_file_id) == file_id, col(BatchRow.status).in_(ACTIVE))
-        return list(session.exec(statement).all())
-
-
 def count_by_status(*, db: Engine) -> dict[str, int]:
     with session_scope(db) as session:
         statement = select(BatchRow.status, func.count()).group_by(BatchRow.status)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 from sqlalchemy.engine import Engine
-from sqlmodel import col
+from sqlmodel import Session, col, select
 
 from app.core import clock, failpoints
 from app.core.auth import visible
 from app.core.db import session_scope, write_scope
 from app.core.storage import Storage
 from app.domain.errors import InvalidRequest, NotFound
-from app.domain.models import DeletedObject, FileRow
+from app.domain.lifecycle import ACTIVE
+from app.domain.models import BatchRow, DeletedObject, FileRow
 from app.domain.pagination import page
 from app.domain.schemas import FileList, OpenAIFile
 
@@ -99,12 +100,24 @@ def list_files(*, db: Engine, owner: str, purpose: str | None, limit: int, order
     )
 
 
-async def delete(*, db: Engine, storage: Storage, file_id: str, owner: str | None) -> None:
-    """The row goes and a tombstone takes its place, in one write transaction; the bytes go after it commits."""
+def _active_readers(session: Session, file_id: str) -> list[str]:
+    statement = select(BatchRow.id).where(col(BatchRow.input_file_id) == file_id, col(BatchRow.status).in_(ACTIVE))
+    return list(session.exec(statement).all())
+
+
+async def delete(
+    *, db: Engine, storage: Storage, file_id: str, owner: str | None, keep_if_in_use: bool = False
+) -> None:
+    """The row goes and a tombstone takes its place, in one write transaction; the bytes go after it commits.
+    `keep_if_in_use` (the console) refuses while an active batch reads the file; the API deletes it regardless, as
+    OpenAI's does (the batch keeps its own link to the bytes)."""
     with write_scope(db) as session:
-        row = session.get(FileRow, file_id, with_for_update=True)
+        row = session.get(FileRow, file_id, with_for_update=True)  # a batch being created from it waits, or we do
         if row is None or not visible(row.owner, owner):
             raise NotFound("File", file_id)
+        readers = _active_readers(session, file_id) if keep_if_in_use else []
+        if readers:
+            raise InvalidRequest(f"File {file_id} is the input of {', '.join(readers)}, still running; it is kept.")
         session.delete(row)
         session.add(DeletedObject(id=row.id, created_ns=row.created_ns, owner=row.owner))
         session.commit()
