@@ -49,7 +49,8 @@ def test_turns_go_round_robin_over_keys(keyed, fake_engine):
     first = submit(keyed, "a", "A1")
     wait_for(lambda: executor.calls == 8)
     queued = [("a", submit(keyed, "a", "A2")), ("a", submit(keyed, "a", "A3")), ("b", submit(keyed, "b", "B1"))]
-    wait_for(lambda: all(status(keyed, key, batch_id)["status"] == "in_progress" for key, batch_id in queued))
+    # In progress is not yet queued: the runner opens its files before it asks for a turn.
+    wait_for(lambda: keyed.app.state.engine.waiting_for_turn() == 3)
     executor.gate.set()
     for key, batch_id in [("a", first), *queued]:
         wait_for(lambda key=key, batch_id=batch_id: status(keyed, key, batch_id)["status"] == "completed")

@@ -58,7 +58,8 @@ class FairFeed:
         return Turn(self, owner)
 
     def waiting(self) -> int:
-        return sum(len(queue) for queue in self._waiting.values())
+        # list() copies the values in one step, so another thread may call this while the loop changes the dict.
+        return sum(len(queue) for queue in list(self._waiting.values()))
 
     def _release(self) -> None:
         self._busy = False

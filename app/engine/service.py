@@ -82,6 +82,11 @@ class EngineService:
                 rates[batch_id] = (stats.requests_per_second or 0.0, stats.output_tokens_per_second or 0.0)
         return rates
 
+    def waiting_for_turn(self) -> int:
+        """Batches queued for their turn to feed the engine, from any thread (a snapshot)."""
+        ctx = self._ctx
+        return ctx.feed.waiting() if ctx is not None else 0
+
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._signal(self._wake)
