@@ -13,6 +13,8 @@ import json
 import sys
 from pathlib import Path
 
+import httpx
+
 from bench import compare
 from bench.common import SideResults, VbatchServer, run_batch_through_sdk, run_logged, warm_up, write_ticket_batch
 
@@ -56,13 +58,20 @@ def vbatch_sides(args, files: dict[str, Path], side) -> None:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=400), 2)})
         warm_up(server.base_url, args.out, SERVED, compare.SAMPLING)
         for name, path in files.items():
-            side(f"vbatch_{name}", lambda path=path: _rates(run_batch_through_sdk(server.base_url, path, hammer=False)))
+            side(
+                f"vbatch_{name}",
+                lambda path=path: _rates(server, run_batch_through_sdk(server.base_url, path, hammer=False)),
+            )
     finally:
         server.stop()
 
 
-def _rates(run) -> dict:
+def _rates(server: VbatchServer, run) -> dict:
+    """The run's rates over its turnaround, and the stages the service timed (`created` is validation and wait)."""
     summary = run.summary()
+    summary["timeline_s"] = httpx.get(f"{server.base_url}/v1/batches/{run.batch_id}/progress", timeout=30).json()[
+        "timeline"
+    ]
     summary["requests_per_s"] = round(run.completed / run.turnaround_s, 1)
     summary["output_tokens_per_s_turnaround"] = round(run.output_tokens / run.turnaround_s, 1)
     return summary

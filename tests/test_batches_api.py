@@ -67,8 +67,15 @@ def test_a_finished_batch_logs_where_its_time_went(client, caplog):
     finally:
         runner_log.removeHandler(caplog.handler)
     assert stages == client.get(f"/v1/batches/{batch_id}/progress").json()["timeline"]
-    assert set(stages) == {"planned", "all_sent", "first_result", "last_result", "published"}
-    assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
+    assert set(stages) == {"created", "planned", "all_sent", "first_result", "last_result", "published"}
+    assert (
+        stages["created"]
+        <= 0
+        <= stages["planned"]
+        <= stages["first_result"]
+        <= stages["last_result"]
+        <= stages["published"]
+    )
     assert stages["all_sent"] <= stages["published"]
 
 

@@ -6,6 +6,7 @@ import asyncio
 import io
 import json
 import pathlib
+import time
 from collections import Counter
 
 from app.domain.batches import Progress
@@ -104,8 +105,15 @@ def test_progress_is_live_while_running_and_keeps_the_timeline_after(client, fak
     # The run's rate history is kept with it; the last point is the run's end, however short the run.
     assert ended["series"] and all(len(point) == 3 for point in ended["series"])
     stages = ended["timeline"]
-    assert set(stages) == {"planned", "first_result", "all_sent", "last_result", "published"}
-    assert stages["planned"] <= stages["first_result"] <= stages["last_result"] <= stages["published"]
+    assert set(stages) == {"created", "planned", "first_result", "all_sent", "last_result", "published"}
+    assert (
+        stages["created"]
+        <= 0
+        <= stages["planned"]
+        <= stages["first_result"]
+        <= stages["last_result"]
+        <= stages["published"]
+    )
     assert ended["series"][-1][0] >= stages["last_result"]
     assert client.get("/v1/batches/batch_nope/progress").status_code == 404
 
@@ -114,7 +122,7 @@ def test_meter_gives_no_eta_before_a_wave_has_finished():
     tokens = [0]
     meter = RunMeter(total=100, wave=10, generated_tokens=lambda: tokens[0])
     assert meter.stats(Progress()) is None  # not begun
-    meter.begin(done_before=0)
+    meter.begin(done_before=0, created_ns=time.time_ns())
     tokens[0] = 500  # the engine is generating a first wave: nothing has finished yet
     first = meter.stats(Progress())
     assert (
@@ -131,7 +139,7 @@ def test_meter_series_gives_each_steps_rates_and_stays_bounded(monkeypatch):
     now, tokens = [100.0], [0]
     monkeypatch.setattr(meter_module.time, "monotonic", lambda: now[0])
     meter = RunMeter(total=10_000, wave=10, generated_tokens=lambda: tokens[0])
-    meter.begin(done_before=4)  # a resumed run: 4 lines were done before it
+    meter.begin(done_before=4, created_ns=time.time_ns())  # a resumed run: 4 lines were done before it
     for (
         at,
         done,

@@ -41,10 +41,12 @@ class RunMeter:
         self.timeline: dict[str, float] = {}
         self.samples: list[Sample] = []
 
-    def begin(self, *, done_before: int) -> None:
-        """The run starts sending, with `done_before` lines already done."""
+    def begin(self, *, done_before: int, created_ns: int) -> None:
+        """The run starts sending, with `done_before` lines already done. The timeline's `created` stage is when
+        the batch was created, before this start (negative): its validation and its wait for a turn."""
         self.done_before = done_before
         self.started = time.monotonic()
+        self.timeline["created"] = round(min(0.0, (created_ns - time.time_ns()) / 1e9), 3)
         self._tokens_before = self._generated_tokens()
         self.samples = [Sample(0.0, done_before, 0)]
 

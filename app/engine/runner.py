@@ -153,7 +153,8 @@ class BatchRun:
         turn = await self._wait_for_turn()
         if isinstance(turn, BatchStatus):
             return turn
-        self.meter.begin(done_before=len(self.sink.done))  # its numbers count from its turn, not its wait
+        # Its numbers count from its turn, not its wait.
+        self.meter.begin(done_before=len(self.sink.done), created_ns=self.row.created_ns)
         stop = asyncio.get_running_loop().create_future()
         ticker = asyncio.create_task(self._tick(stop))
         work = asyncio.create_task(self._work(turn))
