@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
 from bench import compare
-from bench.common import SideResults, VbatchServer, run_batch_through_sdk, run_logged
+from bench.common import SideResults, VbatchServer, measure, run_batch_through_sdk, run_logged
 
 LINES = 20_000
 
@@ -40,8 +41,8 @@ def vbatch_side(args, path: Path, warm: Path, side) -> None:
         run_batch_through_sdk(server.base_url, warm, "/v1/embeddings", hammer=False)
 
         def measured() -> dict:
-            run = run_batch_through_sdk(server.base_url, path, "/v1/embeddings", hammer=False)
-            return {**run.summary(), "requests_per_s": round(run.completed / run.turnaround_s, 1)}
+            summary = measure(server, path, "/v1/embeddings", hammer=False)
+            return {**summary, "requests_per_s": round(summary["completed"] / summary["turnaround_s"], 1)}
 
         side("vbatch_embeddings", measured)
     finally:
@@ -61,8 +62,10 @@ def engine_side(args) -> None:
     print(
         json.dumps(
             {"llm_embed": {"prompts": LINES, "seconds": round(seconds, 2), "requests_per_s": round(LINES / seconds, 1)}}
-        )
+        ),
+        flush=True,
     )
+    os._exit(0)  # vLLM's teardown of a pooling LLM aborted the process once, after the numbers were out
 
 
 def main() -> None:
