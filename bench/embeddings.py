@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
+
 from bench import compare
 from bench.common import SideResults, VbatchServer, measure, run_batch_through_sdk, run_logged
 
@@ -65,7 +67,11 @@ def engine_side(args) -> None:
         ),
         flush=True,
     )
-    os._exit(0)  # vLLM's teardown of a pooling LLM aborted the process once, after the numbers were out
+    # vLLM's teardown of a pooling LLM aborted the process once, after the numbers were out: leave without it, but
+    # end the engine core first (it holds our stdout open, and the caller reads it to the end).
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(0)
 
 
 def main() -> None:
