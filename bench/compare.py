@@ -33,6 +33,7 @@ def device_parser() -> argparse.ArgumentParser:
     parser.add_argument("--results", type=Path, required=True)
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--meta", default="{}")
+    parser.add_argument("--api-server-count", type=int, default=None, help="vbatch's front ends (default: its own)")
     return parser
 
 
@@ -44,6 +45,12 @@ def device_engine(args: argparse.Namespace) -> argparse.Namespace:
 
 def device_engine_flags(args: argparse.Namespace) -> list[str]:
     return engine_flags(device_engine(args))
+
+
+def device_vbatch_flags(args: argparse.Namespace) -> list[str]:
+    """The engine's flags, and vbatch's own front-end count if given."""
+    count = getattr(args, "api_server_count", None)
+    return device_engine_flags(args) + (["--api-server-count", str(count)] if count else [])
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:

@@ -36,7 +36,7 @@ def write_embeddings(path: Path, first: int) -> Path:
 
 
 def vbatch_side(args, path: Path, warm: Path, side) -> None:
-    flags = [*compare.device_engine_flags(args), "--runner", "pooling"]
+    flags = [*compare.device_vbatch_flags(args), "--runner", "pooling"]
     server = VbatchServer(args.out / "vbatch-data", 8129, flags, args.out / "vbatch-serve.log")
     try:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=400), 2)})
@@ -83,7 +83,9 @@ def main() -> None:
     if args.engine_side:
         engine_side(args)
         return
-    side = SideResults(args.results, {**json.loads(args.meta), "lines": LINES}).side
+    side = SideResults(
+        args.results, {**json.loads(args.meta), "lines": LINES, "api_server_count": args.api_server_count}
+    ).side
     path = write_embeddings(args.out / "embeddings.jsonl", first=LINES)
     warm = args.out / "warm.jsonl"
     write_embeddings_warm(warm)

@@ -50,10 +50,9 @@ def write_labels(path: Path, *, shared: bool, first: int) -> Path:
 
 
 def vbatch_sides(args, files: dict[str, Path], side) -> None:
-    flags = compare.device_engine_flags(args)
-    if args.api_server_count:
-        flags += ["--api-server-count", str(args.api_server_count)]
-    server = VbatchServer(args.out / "vbatch-data", 8127, flags, args.out / "vbatch-serve.log")
+    server = VbatchServer(
+        args.out / "vbatch-data", 8127, compare.device_vbatch_flags(args), args.out / "vbatch-serve.log"
+    )
     try:
         side("vbatch_engine_start", lambda: {"s": round(server.wait_ready(timeout=400), 2)})
         warm_up(server.base_url, args.out, SERVED, compare.SAMPLING)
@@ -138,7 +137,6 @@ def run_engine_side(args) -> None:
 
 def main() -> None:
     parser = compare.device_parser()
-    parser.add_argument("--api-server-count", type=int, default=None)
     parser.add_argument("--engine-side", action="store_true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
