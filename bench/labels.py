@@ -138,6 +138,7 @@ def run_engine_side(args) -> None:
 def main() -> None:
     parser = compare.device_parser()
     parser.add_argument("--engine-side", action="store_true")
+    parser.add_argument("--vbatch-only", action="store_true", help="leave out the LLM sides")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     if args.engine_side:
@@ -153,6 +154,8 @@ def main() -> None:
     meta = {**json.loads(args.meta), "lines": LINES, "api_server_count": args.api_server_count}
     side = SideResults(args.results, meta).side
     vbatch_sides(args, files, side)
+    if args.vbatch_only:
+        return
     engine_sides(args, files, side)
     data = json.loads(args.results.read_text())["sides"]
     for name in ("labels", "labels_shared", "tickets"):
