@@ -14,6 +14,7 @@ import signal
 import pytest
 
 from app.domain.results import error_outcome, http_outcome, line_for, rendered_body
+from app.engine import frontends
 from app.engine.offline import run_file
 from app.engine.serving import EngineDead
 from app.testing import FakeEngine, fake_frontends
@@ -131,3 +132,19 @@ def test_a_stack_dump_names_the_innermost_await_through_context_managers():
     chain = asyncio.run(main())
     names = [place.rsplit(" in ", 1)[-1] for place in chain if " in " in place]
     assert names[0] == "outer" and "opening" in names and "deepest" in names and names[-1] == "wait"
+
+
+@pytest.mark.parametrize(
+    ("cores", "parallel", "expected"),
+    [
+        (2, (1, 1, 1), 1),  # the CI host: the serving layer stays in the service's process
+        (16, (1, 1, 1), 14),  # the H200 host: 14 front ends, a core for the API and one for the engine
+        (16, (4, 1, 1), 10),  # four GPU workers beside the engine core
+        (16, (1, 1, 2), 13),  # two data-parallel engine cores
+        (128, (1, 1, 1), 14),  # more front ends than this were never measured
+    ],
+)
+def test_default_front_ends_leave_a_core_to_each_busy_process(cores, parallel, expected):
+    tensor, pipeline, data = parallel
+    busy = frontends.engine_processes(tensor_parallel=tensor, pipeline_parallel=pipeline, data_parallel=data)
+    assert frontends.default_count(cores, engine_processes=busy) == expected

@@ -241,7 +241,12 @@ def frontend_count(args: argparse.Namespace) -> int:
     given = getattr(args, "api_server_count", None)
     if given:
         return int(given)
-    return frontends.default_count(os.cpu_count())
+    busy = frontends.engine_processes(
+        tensor_parallel=getattr(args, "tensor_parallel_size", None) or 1,
+        pipeline_parallel=getattr(args, "pipeline_parallel_size", None) or 1,
+        data_parallel=getattr(args, "data_parallel_size", None) or 1,
+    )
+    return frontends.default_count(os.cpu_count(), engine_processes=busy)
 
 
 @asynccontextmanager
