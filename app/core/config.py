@@ -51,6 +51,9 @@ class Settings(BaseSettings):
     progress_log_seconds: float = 5.0
     # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
     checkpoint_seconds: float = 0.5
+    # A service holds each batch it runs on a lease it renews every second (`app.domain.leases`); a service that
+    # stops renewing (dead, or stalled) loses its batches to another once this has passed.
+    lease_seconds: float = 30.0
     # Times a line may kill the engine while running alone before it goes to the error file.
     engine_deaths_per_line: int = 2
     # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.

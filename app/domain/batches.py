@@ -13,8 +13,9 @@ from app.core import clock
 from app.core.auth import visible
 from app.core.db import lock_name, session_scope, write_scope
 from app.core.ids import new_id
-from app.domain import events, files
+from app.domain import events, files, leases
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
+from app.domain.leases import Lease
 from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus, InvalidTransition, check_move
 from app.domain.models import BatchRow, FileRow
 from app.domain.pagination import page
@@ -231,20 +232,19 @@ def list_batches(
     )
 
 
-def transition(*, db: Engine, batch_id: str, to: BatchStatus) -> BatchRow:
-    """Move a batch to `to`, stamping the time it first got there."""
-    return _move(db=db, batch_id=batch_id, to=to)
+def transition(*, db: Engine, batch_id: str, to: BatchStatus, lease: Lease | None = None) -> BatchRow:
+    """Move a batch to `to`, stamping the time it first got there; with `lease`, only while it holds."""
+    return _move(db=db, batch_id=batch_id, to=to, lease=lease)
 
 
-def start(*, db: Engine, batch_id: str, total: int, model: str | None) -> BatchRow:
+def start(*, db: Engine, batch_id: str, total: int, model: str | None, lease: Lease | None = None) -> BatchRow:
     """Validated: the batch runs `total` requests for `model`."""
-    return _move(db=db, batch_id=batch_id, to=BatchStatus.IN_PROGRESS, total=total, model=model)
+    return _move(db=db, batch_id=batch_id, to=BatchStatus.IN_PROGRESS, lease=lease, total=total, model=model)
 
 
-def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError]) -> BatchRow:
-    return _move(
-        db=db, batch_id=batch_id, to=BatchStatus.FAILED, errors_json=BatchErrors(data=list(errors)).model_dump_json()
-    )
+def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError], lease: Lease | None = None) -> BatchRow:
+    errors_json = BatchErrors(data=list(errors)).model_dump_json()
+    return _move(db=db, batch_id=batch_id, to=BatchStatus.FAILED, lease=lease, errors_json=errors_json)
 
 
 def publish(
@@ -258,6 +258,7 @@ def publish(
     timeline: dict[str, float],
     series: Sequence[Sequence[float]] = (),
     errors: Sequence[BatchError] = (),
+    lease: Lease | None = None,
 ) -> BatchRow:
     """End a batch with its result files: their File rows are created in the transaction that ends it, so a batch
     is never final without its files, nor a result file listed for a batch that has not ended."""
@@ -266,6 +267,7 @@ def publish(
         db=db,
         batch_id=batch_id,
         to=to,
+        lease=lease,
         new_files=[row for row in (output, error) if row is not None],
         output_file_id=output.id if output else None,
         error_file_id=error.id if error else None,
@@ -277,13 +279,20 @@ def publish(
 
 
 def _move(
-    *, db: Engine, batch_id: str, to: BatchStatus, new_files: Sequence[FileRow] = (), **fields: object
+    *,
+    db: Engine,
+    batch_id: str,
+    to: BatchStatus,
+    lease: Lease | None = None,
+    new_files: Sequence[FileRow] = (),
+    **fields: object,
 ) -> BatchRow:
     with write_scope(db) as session:
         session.add_all(new_files)
         row = session.get(BatchRow, batch_id, with_for_update=True)
         if row is None:
             raise NotFound("Batch", batch_id)
+        leases.check(row, lease)
         check_move(row.status, to)
         row.status = to
         now = clock.now()
@@ -311,20 +320,33 @@ def request_cancel(*, db: Engine, batch_id: str, owner: str) -> BatchRow:
         return request_cancel(db=db, batch_id=batch_id, owner=owner)
 
 
-def _update(*, db: Engine, batch_id: str, **fields: object) -> None:
+def _update(*, db: Engine, batch_id: str, lease: Lease | None = None, **fields: object) -> None:
     with write_scope(db) as session:
         row = session.get(BatchRow, batch_id, with_for_update=True)
         if row is None:
             raise NotFound("Batch", batch_id)
+        leases.check(row, lease)
         for name, value in fields.items():
             setattr(row, name, value)
         session.add(row)
         session.commit()
 
 
-def save_checkpoint(*, db: Engine, batch_id: str, progress: Progress, output_bytes: int, error_bytes: int) -> None:
-    """Counts and usage together with the fsynced part-file lengths they describe, in one transaction."""
-    _update(db=db, batch_id=batch_id, output_bytes_done=output_bytes, error_bytes_done=error_bytes, **vars(progress))
+def save_checkpoint(
+    *, db: Engine, batch_id: str, progress: Progress, output_bytes: int, error_bytes: int, lease: Lease | None = None
+) -> None:
+    """Counts and usage together with the fsynced part-file lengths they describe, in one transaction; under a
+    lease, the part files are that lease's (`parts_token`)."""
+    token = {"parts_token": lease.token} if lease is not None else {}
+    _update(
+        db=db,
+        batch_id=batch_id,
+        lease=lease,
+        output_bytes_done=output_bytes,
+        error_bytes_done=error_bytes,
+        **token,
+        **vars(progress),
+    )
 
 
 def active(*, db: Engine) -> list[BatchRow]:

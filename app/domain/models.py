@@ -61,10 +61,18 @@ class BatchRow(SQLModel, table=True):
     output_tokens: int = Field(default=0, sa_type=BigInteger)
     reasoning_tokens: int = Field(default=0, sa_type=BigInteger)
 
-    # The last checkpoint: how many bytes of `<id>.output.part` / `<id>.error.part` are fsynced and counted above.
+    # The last checkpoint: how many bytes of the output and error part files are fsynced and counted above.
     # A restart cuts the part files back to these lengths, so counts and files always agree.
     output_bytes_done: int = Field(default=0, sa_type=BigInteger)
     error_bytes_done: int = Field(default=0, sa_type=BigInteger)
+    # Whose part files the checkpoint above counts: the lease token of the run that wrote them
+    # (`app.domain.results.part_names`; 0 for batches from before leases).
+    parts_token: int = 0
+    # Which service runs the batch (`app.domain.leases`): its holder, until when, and the fencing token every write
+    # of that run must carry. A claim bumps the token, so a holder that lost its lease can no longer write.
+    lease_holder: str | None = None
+    lease_expires_ns: int | None = Field(default=None, sa_type=BigInteger)
+    lease_token: int = 0
     # Seconds from the start of the last run to each stage it reached (JSON), written when the batch ends.
     timeline_json: str | None = None
     # The rate history of that run (`RunStats.series`, JSON), written when the batch ends.

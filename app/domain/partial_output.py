@@ -37,7 +37,7 @@ async def open_partial(
         elif row.status in TERMINAL:
             return _nothing(), 0
         else:
-            part = part_names(row.id)[0 if kind == "output" else 1]
+            part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
             done = row.output_bytes_done if kind == "output" else row.error_bytes_done
             opened = await storage.open_prefix(part, done)
             if opened is None and done == 0:

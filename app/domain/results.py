@@ -65,9 +65,12 @@ class Outcome:
         return self.body.usage if self.body is not None else {}
 
 
-def part_names(batch_id: str) -> tuple[str, str]:
-    """A running batch's result files in Storage: output and error lines as they finish."""
-    return f"{batch_id}.output.part", f"{batch_id}.error.part"
+def part_names(batch_id: str, token: int) -> tuple[str, str]:
+    """A running batch's result files in Storage, output and error lines as they finish: each lease token
+    (`app.domain.leases`) writes its own, so a run that lost its lease cannot write into its successor's files
+    (token 0: the names from before leases)."""
+    run = batch_id if token == 0 else f"{batch_id}.{token}"
+    return f"{run}.output.part", f"{run}.error.part"
 
 
 def index_name(batch_id: str) -> str:
@@ -81,9 +84,15 @@ def input_name(batch_id: str) -> str:
     return f"{batch_id}.input"
 
 
-def run_files(batch_id: str) -> tuple[str, ...]:
-    """Everything an active batch keeps in Storage; all of it goes when the batch ends."""
-    return (*part_names(batch_id), index_name(batch_id), input_name(batch_id))
+def run_files(batch_id: str, *tokens: int) -> tuple[str, ...]:
+    """What an active batch keeps in Storage: its index, its input, and the part files of `tokens`."""
+    parts = [name for token in dict.fromkeys(tokens) for name in part_names(batch_id, token)]
+    return (*parts, index_name(batch_id), input_name(batch_id))
+
+
+def is_run_file(name: str, batch_id: str) -> bool:
+    """Whether `name` is one of the batch's run files, under any token (the sweep keeps them while it is active)."""
+    return name.startswith(f"{batch_id}.")
 
 
 def http_outcome(custom_id: str, status_code: int, body: Body) -> Outcome:

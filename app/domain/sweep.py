@@ -16,7 +16,7 @@ from app.core.db import session_scope
 from app.core.storage import Storage
 from app.domain.lifecycle import ACTIVE
 from app.domain.models import BatchRow, FileRow
-from app.domain.results import run_files
+from app.domain.results import is_run_file
 
 log = logging.getLogger("vbatch.sweep")
 
@@ -24,11 +24,10 @@ log = logging.getLogger("vbatch.sweep")
 def sweep_storage(*, db: Engine, storage: Storage) -> int:
     with session_scope(db) as session:
         keep = set(session.exec(select(FileRow.id)).all())
-        for batch_id in session.exec(select(BatchRow.id).where(col(BatchRow.status).in_(ACTIVE))).all():
-            keep.update(run_files(batch_id))
+        active = session.exec(select(BatchRow.id).where(col(BatchRow.status).in_(ACTIVE))).all()
     removed = 0
     for name in storage.names():
-        if name not in keep:
+        if name not in keep and not any(is_run_file(name, batch_id) for batch_id in active):
             storage.remove_any(name)
             removed += 1
     if removed:

@@ -10,6 +10,7 @@ from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
+from app.domain.leases import Lease
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.metrics import Metrics
@@ -38,3 +39,5 @@ class Context:
     changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
     runs: dict[str, BatchRun] = field(default_factory=dict)
+    # The leases this service holds, by batch id: every write a batch's run makes carries its lease.
+    leases: dict[str, Lease] = field(default_factory=dict)

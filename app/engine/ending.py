@@ -8,6 +8,7 @@ batch stops holding a slot of its key's active-batch limit.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
@@ -21,11 +22,12 @@ from app.core.ids import new_id
 from app.core.storage import ResultAppender, Storage
 from app.domain import batches, files
 from app.domain.input_index import InputIndex
+from app.domain.leases import Lease
 from app.domain.lifecycle import TERMINAL, BatchStatus
 from app.domain.models import BatchRow, FileRow
 from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome, index_name, part_names, run_files
 from app.domain.schemas import BatchError
-from app.engine.parts import ResultSink
+from app.engine.parts import ResultSink, adopt
 
 log = logging.getLogger("vbatch.runner")
 
@@ -47,8 +49,10 @@ async def publish(
     timeline: dict[str, float],
     series: Sequence[Sequence[float]] = (),
     errors: Sequence[BatchError] = (),
+    lease: Lease | None = None,
 ) -> None:
-    """Close the sink, give each non-empty part a File row, end the batch with them, then drop its run files."""
+    """Close the sink, give each non-empty part a File row, end the batch with them (under `lease`, if it still
+    holds), then drop its run files: this run's parts and those of the checkpoint it began from."""
     await sink.close()
     output = await _result_file(storage, settings, row, sink.output, "output")
     error = await _result_file(storage, settings, row, sink.errors, "error")
@@ -63,8 +67,9 @@ async def publish(
         timeline=timeline,
         series=series,
         errors=errors,
+        lease=lease,
     )
-    for name in run_files(row.id):
+    for name in run_files(row.id, row.parts_token, lease.token if lease is not None else row.parts_token):
         await storage.delete(name)
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": row.id, "event": f"batch.{status}", **done}
@@ -101,9 +106,11 @@ async def end_from_checkpoint(
     batch_id: str,
     status: BatchStatus,
     errors: Sequence[BatchError],
+    lease: Lease | None = None,
 ) -> None:
     """End the batch as `status` (cancelled if it was being cancelled) with the results its checkpoint counts.
-    Unless the disk is full, the lines that never ran get their error line, as at any cancel or expiry."""
+    Unless the disk is full, the lines that never ran get their error line, as at any cancel or expiry. Under
+    `lease`, the part files are that lease's, begun from the checkpoint's."""
     row = batches.get(db=db, batch_id=batch_id, owner=None)
     if row.status in TERMINAL:
         return
@@ -112,7 +119,8 @@ async def end_from_checkpoint(
     elif row.status == BatchStatus.FINALIZING and status != BatchStatus.FAILED:
         status = BatchStatus.COMPLETED  # every line had its result already
     index = await _index(storage, batch_id)
-    sink = await _sink_at_checkpoint(storage, row, index)
+    token = lease.token if lease is not None else row.parts_token
+    sink = await _sink_at_checkpoint(storage, row, index, token)
     if index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
         record_unfinished(sink, index, status)
         try:
@@ -123,10 +131,18 @@ async def end_from_checkpoint(
                 raise
             storage.reserve.release()
             await sink.abandon()
-            sink = await _sink_at_checkpoint(storage, row, index)  # back to what the checkpoint holds
+            sink = await _sink_at_checkpoint(storage, row, index, token)  # back to what the checkpoint holds
     log.error("batch %s: ended from its last checkpoint as %s", batch_id, status)
     await publish(
-        db=db, storage=storage, settings=settings, row=row, sink=sink, status=status, timeline={}, errors=errors
+        db=db,
+        storage=storage,
+        settings=settings,
+        row=row,
+        sink=sink,
+        status=status,
+        timeline={},
+        errors=errors,
+        lease=lease,
     )
 
 
@@ -148,9 +164,11 @@ async def _index(storage: Storage, batch_id: str) -> InputIndex | None:
         return None
 
 
-async def _sink_at_checkpoint(storage: Storage, row: BatchRow, index: InputIndex | None) -> ResultSink:
-    """The batch's parts cut back to its last checkpoint and open again, their lines counted."""
-    output, error = (storage.path(name) for name in part_names(row.id))
+async def _sink_at_checkpoint(storage: Storage, row: BatchRow, index: InputIndex | None, token: int) -> ResultSink:
+    """Token `token`'s parts, begun from the checkpoint's, cut back to it and open again, their lines counted."""
+    output, error = (storage.path(name) for name in part_names(row.id, token))
+    previous = [storage.path(name) for name in part_names(row.id, row.parts_token)]
+    await asyncio.to_thread(adopt, previous, (row.output_bytes_done, row.error_bytes_done), (output, error))
     sink = ResultSink(output, error)
     # Without an index no line is filled in, so which position a custom_id had does not matter, only the counts.
     position_of = index.position_of if index is not None else lambda: defaultdict(int)

@@ -32,6 +32,7 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
     """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
     batch's results before the batch starts, so a restart never reads the input whole again. A cancel may come at
     any point of it: the batch is then left as the cancel made it."""
+    lease = ctx.leases.get(row.id)
     try:
         source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
         report = await _read_input(ctx, row, source.id)
@@ -40,7 +41,7 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
             raise
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
         failed = _unless_cancelled(
-            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
+            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)], lease=lease)
         )
         return failed, None
     if not report.ok:
@@ -49,14 +50,14 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
         for error in report.errors:
             ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
         return _unless_cancelled(
-            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors)
+            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors, lease=lease)
         ), None
     await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
     started = _unless_cancelled(
-        ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model)
+        ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=lease)
     )
     return started, report.index if started.status == BatchStatus.IN_PROGRESS else None
 
@@ -95,7 +96,8 @@ async def _read_input(ctx: Context, row: BatchRow, source_id: str | None) -> Rep
 def end_without_input(ctx: Context, row: BatchRow) -> None:
     """A batch that began before vbatch kept its own input, whose input has since gone: it ends rather than wait."""
     log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
+    lease = ctx.leases.get(row.id)
     if row.status == BatchStatus.CANCELLING:
-        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
+        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
     else:
-        batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)])
+        batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)], lease=lease)

@@ -12,7 +12,7 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -108,6 +108,23 @@ class ResultSink:
         """Close both files dropping what was not written (a full disk): the checkpoint is what counts."""
         await self.output.abandon()
         await self.errors.abandon()
+
+
+def adopt(previous: Sequence[Path], lengths: Sequence[int], own: Sequence[Path]) -> None:
+    """A run that took a batch over starts its own part files from what the previous run's checkpoint counts: the
+    previous run may still be alive (stalled past its lease), and it must not write into the files this run keeps."""
+    for old, length, new in zip(previous, lengths, own, strict=True):
+        if old == new or new.exists() or not old.exists():
+            continue
+        partial = new.with_name(f".{new.name}.adopt")
+        with old.open("rb") as src, partial.open("wb") as dst:
+            left = length
+            while left > 0 and (chunk := src.read(min(1 << 20, left))):
+                dst.write(chunk)
+                left -= len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        partial.replace(new)
 
 
 def cut_back(path: Path, length: int | None) -> None:

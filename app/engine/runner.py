@@ -32,7 +32,7 @@ from app.engine.feed import Turn
 from app.engine.intake import end_without_input, load_index, validate
 from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
-from app.engine.parts import Checkpoint, ResultSink
+from app.engine.parts import Checkpoint, ResultSink, adopt
 from app.engine.serving import EngineDead
 
 log = logging.getLogger("vbatch.runner")
@@ -60,11 +60,13 @@ async def run_batch(ctx: Context, batch_id: str) -> None:
             batch_id=batch_id,
             status=BatchStatus.FAILED,
             errors=[DISK_FULL],
+            lease=ctx.leases.get(batch_id),
         )
 
 
 async def _run_batch(ctx: Context, batch_id: str) -> None:
     row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
+    lease = ctx.leases.get(batch_id)
     index: InputIndex | None = None
     if row.status == BatchStatus.VALIDATING:
         row, index = await validate(ctx, row)
@@ -76,8 +78,8 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
             return
         await BatchRun(ctx, row, index).run()
     elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
-        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED)
-        for name in run_files(row.id):
+        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
+        for name in run_files(row.id, row.parts_token):
             await ctx.storage.delete(name)
 
 
@@ -86,8 +88,10 @@ class BatchRun:
         self.ctx = ctx
         self.row = row
         self.index = index
-        output_part, error_part = part_names(row.id)
-        self.sink = ResultSink(ctx.storage.path(output_part), ctx.storage.path(error_part), ctx.metrics.result)
+        self.lease = ctx.leases.get(row.id)
+        output_part, error_part = (ctx.storage.path(name) for name in part_names(row.id, self.token))
+        self.parts = (output_part, error_part)
+        self.sink = ResultSink(output_part, error_part, ctx.metrics.result)
         self.input_path = ctx.storage.path(input_name(row.id))
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
@@ -105,7 +109,15 @@ class BatchRun:
             self.ctx.runs.pop(self.row.id, None)
             await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
+    @property
+    def token(self) -> int:
+        """Whose part files this run writes: its lease's (or, run without one, the last checkpoint's)."""
+        return self.lease.token if self.lease is not None else self.row.parts_token
+
     async def _run(self) -> None:
+        previous = [self.ctx.storage.path(name) for name in part_names(self.row.id, self.row.parts_token)]
+        lengths = (self.row.output_bytes_done, self.row.error_bytes_done)
+        await asyncio.to_thread(adopt, previous, lengths, self.parts)
         await self.sink.open(
             output_bytes=self.row.output_bytes_done,
             error_bytes=self.row.error_bytes_done,
@@ -143,6 +155,7 @@ class BatchRun:
             progress=checkpoint.progress,
             output_bytes=checkpoint.output_bytes,
             error_bytes=checkpoint.error_bytes,
+            lease=self.lease,
         )
 
     def _expired(self) -> bool:
@@ -333,7 +346,7 @@ class BatchRun:
         ctx = self.ctx
         if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
             try:
-                batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING)
+                batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING, lease=self.lease)
             except InvalidTransition:
                 # Cancelled after its last line had finished: it ends cancelled, with every result it has.
                 status = BatchStatus.CANCELLED
@@ -349,6 +362,7 @@ class BatchRun:
                 status=status,
                 timeline=self.meter.timeline,
                 series=self.meter.series(),
+                lease=self.lease,
             )
         log.info(
             "batch %s: timeline %s",

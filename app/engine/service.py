@@ -21,7 +21,8 @@ from sqlalchemy.engine import Engine
 from app.core import clock, logs
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain import batches
+from app.domain import batches, leases
+from app.domain.leases import Lease, LeaseLost
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.schemas import RunStats
@@ -61,6 +62,9 @@ class EngineService:
         self.scheduler_error: str | None = None
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
+        # The batches this service holds (`app.domain.leases`), by id; renewed at every look for work.
+        self.holder = leases.holder_name()
+        self.leases: dict[str, Lease] = {}
 
     @property
     def state(self) -> Literal["starting", "ok", "restarting", "down"]:
@@ -122,10 +126,14 @@ class EngineService:
         for task in [*self._running.values(), main]:
             task.cancel()
         await asyncio.gather(*self._running.values(), main, return_exceptions=True)
+        self._release_all(db)
         await self._stop_engine()
         self._loop = None
 
     async def _main(self, db: Engine, storage: Storage, settings: Settings) -> None:
+        with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
+            if freed := leases.release_dead(db=db):
+                log.info("took back the batches of %d services of this host that are gone", freed)
         try:
             serving = await self.live.start()
         except Exception:
@@ -136,7 +144,8 @@ class EngineService:
         # No engine: nothing runs, but every batch still ends once its completion window (and the grace) has passed.
         while True:
             try:
-                await self._watch(db, storage, settings, batches.active(db=db))
+                storage.reserve.keep()
+                await self._watch(db, storage, settings, await self._hold(db, settings))
             except Exception:
                 log.exception("the watchdog could not look at the batches; it tries again in %s s", POLL_SECONDS)
             await asyncio.sleep(POLL_SECONDS)
@@ -156,6 +165,7 @@ class EngineService:
             ranks=max(1, serving.data_parallel_size),
             slots=asyncio.Semaphore(max_in_flight),
             metrics=self.metrics,
+            leases=self.leases,
         )
         self._ctx = ctx
         logs.ensure_enabled()
@@ -196,16 +206,16 @@ class EngineService:
     async def _look_for_work(self, ctx: Context) -> None:
         if not self._running:
             await self.live.check()
-        rows = await self._watch(ctx.db, ctx.storage, ctx.settings, batches.active(db=ctx.db))
+        ctx.storage.reserve.keep()  # first: with the disk full, holding leases (a write) fails
+        rows = await self._watch(ctx.db, ctx.storage, ctx.settings, await self._hold(ctx.db, ctx.settings))
         for row in rows:
             if row.id not in self._running and row.id not in self._broken:
                 self._running[row.id] = asyncio.create_task(self._run_one(ctx, row.id))
 
     async def _watch(self, db: Engine, storage: Storage, settings: Settings, rows: list[BatchRow]) -> list[BatchRow]:
-        """Keep the disk reserve, and end every batch still active `watchdog_grace_seconds` after its completion
+        """End every batch still active `watchdog_grace_seconds` after its completion
         window, stopping its run first if one hangs on: a run ends its own batch at expiry, so one still going
         then is stuck. Returns the batches left active."""
-        storage.reserve.keep()
         deadline = clock.now() - settings.watchdog_grace_seconds
         overdue = [row for row in rows if row.expires_at is not None and row.expires_at < deadline]
         for row in overdue:
@@ -221,17 +231,54 @@ class EngineService:
             )
             try:
                 await end_from_checkpoint(
-                    db=db, storage=storage, settings=settings, batch_id=row.id, status=BatchStatus.EXPIRED, errors=()
+                    db=db,
+                    storage=storage,
+                    settings=settings,
+                    batch_id=row.id,
+                    status=BatchStatus.EXPIRED,
+                    errors=(),
+                    lease=self.leases.get(row.id),
                 )
             except Exception:
                 log.exception("batch %s: the watchdog could not end it; it tries again", row.id)
         return [row for row in rows if row not in overdue]
+
+    async def _hold(self, db: Engine, settings: Settings) -> list[BatchRow]:
+        """Renew this service's leases, stop the runs of those it lost, and claim the batches no one holds: the
+        active batches it now holds, oldest first."""
+        lost = leases.renew(db=db, leases=list(self.leases.values()), seconds=settings.lease_seconds)
+        for batch_id in lost:
+            del self.leases[batch_id]
+            self._broken.discard(batch_id)
+            task = self._running.pop(batch_id, None)
+            if task is not None:
+                log.error("batch %s: its lease passed to another service; this run stops", batch_id)
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        for lease in leases.claim(db=db, holder=self.holder, seconds=settings.lease_seconds):
+            self.leases[lease.batch_id] = lease
+        rows = [row for row in batches.active(db=db) if row.id in self.leases]
+        active = {row.id for row in rows}
+        for batch_id in [b for b in self.leases if b not in active and b not in self._running]:
+            del self.leases[batch_id]  # it ended
+        return rows
+
+    def _release_all(self, db: Engine) -> None:
+        """A service that stops gives its batches up, for the next one to take at once."""
+        for lease in list(self.leases.values()):
+            try:
+                leases.release(db=db, lease=lease)
+            except Exception:
+                log.warning("batch %s: its lease could not be released; it passes on when it runs out", lease.batch_id)
+        self.leases.clear()
 
     async def _run_one(self, ctx: Context, batch_id: str) -> None:
         try:
             await run_batch(ctx, batch_id)
         except asyncio.CancelledError:
             raise
+        except LeaseLost:
+            log.warning("batch %s: its lease passed to another service; this run stopped without writing", batch_id)
         except EngineDead:
             # Only when a new engine could not be started. Results are checkpointed; the next start resumes.
             log.error("batch %s: stopped, no engine; /health is 503 until vbatch serve is restarted", batch_id)

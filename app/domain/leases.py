@@ -1,0 +1,139 @@
+"""Which service runs which batch: a lease per batch, with a fencing token.
+
+A service that runs batches claims the active ones it will run. A claim takes a batch nobody holds, or whose
+holder let its lease run out, and bumps the batch's token. The holder renews its leases while it holds them; every
+write its run makes (a status move, a checkpoint, the published result files) is accepted only with the current
+token (`LeaseLost` otherwise), so a holder that stalled past its lease and came back writes nothing over the run
+that took the batch over. Part files carry the token in their names for the same reason
+(`app.domain.results.part_names`).
+
+One path on both databases, hand-written rather than a job library's: the claim is a batch's own row (its status
+is the work's state), and procrastinate, the library that fits best, runs on Postgres only while SQLite stays the
+default. On Postgres a claim skips rows another claim has locked (SKIP LOCKED); SQLite takes its write lock for
+the whole claim (BEGIN IMMEDIATE).
+"""
+
+from __future__ import annotations
+
+import socket
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+from sqlalchemy import or_, update
+from sqlalchemy.engine import Engine
+from sqlmodel import col, select
+
+from app.core import clock
+from app.core.db import write_scope
+from app.domain.lifecycle import ACTIVE
+from app.domain.models import BatchRow
+
+
+@dataclass(frozen=True)
+class Lease:
+    batch_id: str
+    holder: str
+    token: int
+
+
+class LeaseLost(Exception):
+    """The batch's lease has passed to another holder (or was released): this run may no longer write."""
+
+    def __init__(self, batch_id: str) -> None:
+        super().__init__(f"batch {batch_id}: its lease has passed on")
+        self.batch_id = batch_id
+
+
+def claim(*, db: Engine, holder: str, seconds: float, limit: int | None = None) -> list[Lease]:
+    """Leases on active batches no one holds (oldest first, at most `limit`), each with a new token."""
+    now = clock.now_ns()
+    with write_scope(db) as session:
+        statement = (
+            select(BatchRow)
+            .where(col(BatchRow.status).in_(ACTIVE))
+            .where(or_(col(BatchRow.lease_holder).is_(None), col(BatchRow.lease_expires_ns) < now))
+            .order_by(col(BatchRow.created_ns).asc())
+            .with_for_update(skip_locked=True)
+            .limit(limit)
+        )
+        leases = []
+        for row in session.exec(statement).all():
+            row.lease_holder = holder
+            row.lease_token += 1
+            row.lease_expires_ns = now + int(seconds * 1e9)
+            session.add(row)
+            leases.append(Lease(row.id, holder, row.lease_token))
+        session.commit()
+    return leases
+
+
+def renew(*, db: Engine, leases: Iterable[Lease], seconds: float) -> set[str]:
+    """Extend each lease that is still this holder's; returns the ids of those that are not."""
+    lost = set()
+    expires = clock.now_ns() + int(seconds * 1e9)
+    with write_scope(db) as session:
+        for lease in leases:
+            statement = (
+                update(BatchRow)
+                .where(col(BatchRow.id) == lease.batch_id, col(BatchRow.lease_token) == lease.token)
+                .where(col(BatchRow.lease_holder) == lease.holder)
+                .values(lease_expires_ns=expires)
+            )
+            if session.exec(statement).rowcount == 0:  # type: ignore[call-overload]
+                lost.add(lease.batch_id)
+        session.commit()
+    return lost
+
+
+def release(*, db: Engine, lease: Lease) -> None:
+    """Give the batch up now (a service stopping): the next claim takes it without waiting for the lease to end."""
+    with write_scope(db) as session:
+        statement = (
+            update(BatchRow)
+            .where(col(BatchRow.id) == lease.batch_id, col(BatchRow.lease_token) == lease.token)
+            .values(lease_holder=None, lease_expires_ns=None)
+        )
+        session.exec(statement)  # type: ignore[call-overload]
+        session.commit()
+
+
+def holder_name() -> str:
+    """A name for one service in one process: its host, its process (pid and start time, so that a reused pid is
+    another process), and a tag (two services in one process are two holders)."""
+    process = psutil.Process()
+    return f"{socket.gethostname()}/{process.pid}/{int(process.create_time())}/{uuid.uuid4().hex[:8]}"
+
+
+def release_dead(*, db: Engine) -> int:
+    """Free the leases whose holder ran on this host in a process that no longer exists: a service restarted after a
+    crash takes its batches back at once rather than when their leases run out."""
+    host = socket.gethostname()
+    with write_scope(db) as session:
+        holders = session.exec(select(BatchRow.lease_holder).where(col(BatchRow.lease_holder).is_not(None)).distinct())
+        dead = [holder for holder in holders.all() if holder is not None and _dead_here(holder, host)]
+        if dead:
+            session.exec(  # type: ignore[call-overload]
+                update(BatchRow)
+                .where(col(BatchRow.lease_holder).in_(dead))
+                .values(lease_holder=None, lease_expires_ns=None)
+            )
+        session.commit()
+    return len(dead)
+
+
+def _dead_here(holder: str, host: str) -> bool:
+    parts = holder.split("/")
+    if len(parts) != 4 or parts[0] != host or not parts[1].isdigit():
+        return False
+    try:
+        return int(psutil.Process(int(parts[1])).create_time()) != int(parts[2])
+    except psutil.NoSuchProcess:
+        return True
+
+
+def check(row: BatchRow, lease: Lease | None) -> None:
+    """For a write under `lease` (None: a write that needs none, such as a cancel request from the API)."""
+    if lease is not None and (row.lease_token != lease.token or row.lease_holder != lease.holder):
+        raise LeaseLost(row.id)

@@ -1,0 +1,31 @@
+"""batch leases: which service runs a batch, until when, and the fencing token its writes carry
+
+Revision ID: 0008
+Revises: 0007
+Create Date: 2026-12-04 19:00:00
+"""
+
+import sqlalchemy as sa
+import sqlmodel
+from alembic import op
+
+revision = "0008"
+down_revision = "0007"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("batches", schema=None) as batch_op:
+        batch_op.add_column(sa.Column("parts_token", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("lease_holder", sqlmodel.sql.sqltypes.AutoString(), nullable=True))
+        batch_op.add_column(sa.Column("lease_expires_ns", sa.BigInteger(), nullable=True))
+        batch_op.add_column(sa.Column("lease_token", sa.Integer(), nullable=False, server_default="0"))
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("batches", schema=None) as batch_op:
+        batch_op.drop_column("lease_token")
+        batch_op.drop_column("lease_expires_ns")
+        batch_op.drop_column("lease_holder")
+        batch_op.drop_column("parts_token")
