@@ -1,4 +1,5 @@
-"""`vbatch serve` (API and engine in one process) and `vbatch run` (offline drop-in for `vllm run-batch`)."""
+"""`vbatch serve` (API and engine in one process), `vbatch api` and `vbatch worker` (the same, split over processes
+that share one database and one files directory) and `vbatch run` (offline drop-in for `vllm run-batch`)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from app.engine.serving import EngineFactory, poisoned
 
 log = logging.getLogger("vbatch")
 
-USAGE = """usage: vbatch {serve,run} [options] [vLLM engine args]
+USAGE = """usage: vbatch {serve,api,worker,run} [options] [vLLM engine args]
 
   vbatch serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [vLLM engine args]
+  vbatch api [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
+  vbatch worker [--host 127.0.0.1] [--port 8001] [--data-dir DIR] [vLLM engine args]
   vbatch run -i in.jsonl -o out.jsonl [--error-file err.jsonl] [vLLM engine args]
 
 Engine args are exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).
@@ -74,29 +77,54 @@ def server_options(settings: Settings) -> dict:
     }
 
 
-def serve(argv: list[str]) -> None:
-    import uvicorn
-
+def serve(argv: list[str], role: str = "serve") -> None:
+    """`vbatch serve` and `vbatch worker`: the engine's arguments are `vllm serve`'s."""
     from app.engine.service import EngineService
     from app.engine.vllm_adapter import serve_parser
-    from app.main import create_app
+    from app.main import Role, create_app
 
-    parser = serve_parser("vbatch serve")
+    parser = _service_options(serve_parser(f"vbatch {role}"))
+    args = parser.parse_args(argv)
+    settings = _settings(args)
+    _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
+    _prepare_engine_args(argv, args, settings)
+    _run_app(create_app(settings, EngineService(_engine_factory(args)), Role(role)), settings)
+
+
+def api(argv: list[str]) -> None:
+    """`vbatch api`: the HTTP API and console only; workers run the batches."""
+    from app.engine.view import WorkersView
+    from app.main import Role, create_app
+
+    parser = _service_options(argparse.ArgumentParser(prog="vbatch api"))
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--port", type=int, default=None)
+    args = parser.parse_args(argv)
+    settings = _settings(args)
+    _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
+    _run_app(create_app(settings, WorkersView(), Role.API), settings)
+
+
+def _service_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
     parser.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="Serve on a non-loopback address without API keys (anyone who reaches the port can use it).",
     )
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> Settings:
     overrides = {k: v for k, v in {"data_dir": args.data_dir, "port": args.port}.items() if v is not None}
     if args.host:
         overrides["host"] = args.host
-    settings = Settings(**overrides)
-    _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
-    _prepare_engine_args(argv, args, settings)
-    engine = EngineService(_engine_factory(args))
-    app = create_app(settings, engine)
+    return Settings(**overrides)
+
+
+def _run_app(app, settings: Settings) -> None:
+    import uvicorn
+
     log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
     uvicorn.run(app, **server_options(settings))
 
@@ -156,11 +184,11 @@ def run(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logs.configure(Settings().log_format)
-    if not argv or argv[0] not in ("serve", "run"):
+    commands = {"serve": serve, "worker": lambda rest: serve(rest, "worker"), "api": api, "run": run}
+    if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         sys.exit(2)
-    command, rest = argv[0], argv[1:]
-    serve(rest) if command == "serve" else run(rest)
+    commands[argv[0]](argv[1:])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""The FastAPI application: routes, error envelope, request ids, and the engine service's lifespan."""
+"""The FastAPI application: routes, error envelope, request ids, and the engine service's lifespan.
+
+One app, three roles: `serve` (the API and the engine in one process, the default), `api` (the API only: any
+number of replicas over one database and one files directory, reading the engines' state from the workers'
+beats) and `worker` (the engine only, running the batches it claims; HTTP for /health, /metrics and /v1/models).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +13,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from enum import StrEnum
 
 from fastapi import FastAPI, Request
 from fastapi.staticfiles import StaticFiles
@@ -31,18 +37,27 @@ from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
 from app.domain import batches, retention
-from app.domain.sweep import sweep_storage
-from app.engine.service import EngineService
+from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
+from app.engine.view import EngineView
 from app.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
 
 log = logging.getLogger("vbatch.api")
+
+
+class Role(StrEnum):
+    SERVE = "serve"
+    API = "api"
+    WORKER = "worker"
+
+
 access_log = logging.getLogger("vbatch.access")
 REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def create_app(settings: Settings, engine: EngineService) -> FastAPI:
+def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) -> FastAPI:
     endpoints = endpoints_from(settings)  # a malformed webhook setting stops the start, not the first event
+    alone = role == Role.SERVE
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -50,16 +65,26 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         app.state.console_signer = SessionSigner(load_secret(settings.data_dir))
         upgrade_to_head(settings.database)
         app.state.db = make_engine(settings.database)
-        claim = claim_database(app.state.db)
+        claim = claim_database(app.state.db, settings.data_dir, exclusive=alone)
         reserve = DiskReserve(
             settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
         )
         app.state.storage = Storage(settings.files_dir, reserve)
         reserve.keep()
-        sweep_storage(db=app.state.db, storage=app.state.storage)
-        await engine.start(db=app.state.db, storage=app.state.storage, settings=settings, metrics=app.state.metrics)
-        background = [asyncio.create_task(_keep_retention(app.state.db, app.state.storage, settings))]
-        if endpoints.any:  # without one, events wait in the outbox (a webhook configured later gets the last 72 h')
+        # Alone, whatever nobody refers to is a crash's leftover; beside other processes only what is also old.
+        sweep_storage(db=app.state.db, storage=app.state.storage, min_age_seconds=0 if alone else ORPHAN_AGE_SECONDS)
+        await engine.start(
+            db=app.state.db,
+            storage=app.state.storage,
+            settings=settings,
+            metrics=app.state.metrics,
+            hold_at_most=None if alone else settings.worker_batches,
+        )
+        background = []
+        if role != Role.WORKER:
+            background.append(asyncio.create_task(_keep_retention(app.state.db, app.state.storage, settings)))
+        # Without a webhook, events wait in the outbox (a webhook configured later gets the last 72 h').
+        if endpoints.any and role != Role.WORKER:
             outbox = Outbox(db=app.state.db, endpoints=endpoints, settings=settings, metrics=app.state.metrics)
             background.append(asyncio.create_task(outbox.run()))
         try:
@@ -69,8 +94,7 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await _drain(engine, settings.drain_seconds)
-            if claim is not None:
-                claim.close()
+            claim.close()
             app.state.db.dispose()
 
     app = FastAPI(
@@ -111,6 +135,9 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
         access_log.info("%s %s %d", request.method, request.url.path, response.status_code, extra=fields)
         return response
 
+    if role == Role.WORKER:
+        app.include_router(system_routes.router)
+        return app
     app.include_router(file_routes.router)
     app.include_router(batch_routes.router)
     app.include_router(system_routes.router)
@@ -119,17 +146,17 @@ def create_app(settings: Settings, engine: EngineService) -> FastAPI:
     return app
 
 
-def metrics_state(db: Engine, engine: EngineService) -> State:
+def metrics_state(db: Engine, engine: EngineView) -> State:
     return State(
         batches_by_status=batches.count_by_status(db=db),
         lines_waiting=batches.lines_waiting(db=db),
         running=engine.live_rates(),
-        engine_deaths=engine.live.deaths,
+        engine_deaths=engine.deaths,
         engine_up=engine.state == "ok",
     )
 
 
-async def _drain(engine: EngineService, deadline: float) -> None:
+async def _drain(engine: EngineView, deadline: float) -> None:
     """No batch starts from here; running ones stop with their results checkpointed. Past the deadline the process
     exits anyway: what is checkpointed is safe, and the next start resumes from it."""
     try:

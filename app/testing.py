@@ -42,6 +42,8 @@ class FakeExecutor:
         self.gate = asyncio.Event()
         # Called with each body just before its answer is returned (on the engine thread).
         self.before_answer: Callable[[dict], None] | None = None
+        # Each answer takes this long (a process of its own has no other way to be slow).
+        self.seconds_per_answer = float(os.environ.get("VBATCH_FAKE_SECONDS_PER_ANSWER", "0"))
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         self.calls += 1
@@ -59,6 +61,8 @@ class FakeExecutor:
             await asyncio.Event().wait()
         if body.get("max_tokens", 1) < 0:
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
+        if self.seconds_per_answer:
+            await asyncio.sleep(self.seconds_per_answer)
         self.generated += 1
         if self.before_answer is not None:
             self.before_answer(body)
@@ -184,13 +188,15 @@ class VbatchServer:
         env: dict | None = None,
         *,
         fake_engine: bool = False,
+        role: str = "serve",
     ):
-        """`fake_engine`: the same app and server options over `FakeEngine` (`python -m app.testing`)."""
+        """`fake_engine`: the same app and server options over `FakeEngine` (`python -m app.testing`); `role`:
+        `serve`, `api` or `worker` (`app.main.Role`)."""
         self.base_url = f"http://127.0.0.1:{port}"
         self.data_dir = data_dir
         self.log_path = log_path
         self.log = log_path.open("wb")
-        entry = ["app.testing"] if fake_engine else ["app", "serve"]
+        entry = ["app.testing", "--role", role] if fake_engine else ["app", role]
         command = [sys.executable, "-m", *entry, "--data-dir", str(data_dir), "--port", str(port)]
         self.started = time.monotonic()
         self.health_seen: set[str] = set()
@@ -280,8 +286,9 @@ class LocalPostgres:
 
 
 def serve_fake_engine(argv: list[str] | None = None) -> None:
-    """`python -m app.testing --data-dir D --port P`: `vbatch serve`'s app and server options over the fake engine,
-    settings from `VBATCH_*` as usual: load tests of everything but the engine, in a process of its own."""
+    """`python -m app.testing --data-dir D --port P [--role R]`: `vbatch serve`'s (or `api`'s, or `worker`'s) app and
+    server options over the fake engine, settings from `VBATCH_*` as usual: tests of everything but the engine, in
+    processes of their own."""
     import argparse
 
     import uvicorn
@@ -290,15 +297,18 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     from app.core import logs
     from app.core.config import Settings
     from app.engine.service import EngineService
-    from app.main import create_app
+    from app.engine.view import EngineView, WorkersView
+    from app.main import Role, create_app
 
     parser = argparse.ArgumentParser(prog="python -m app.testing")
     parser.add_argument("--data-dir", type=Path, required=True)
     parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--role", type=Role, default=Role.SERVE)
     args = parser.parse_args(argv)
     settings = Settings(data_dir=args.data_dir, port=args.port)
     logs.configure(settings.log_format)
-    uvicorn.run(create_app(settings, EngineService(FakeEngine())), **server_options(settings))
+    engine: EngineView = WorkersView() if args.role == Role.API else EngineService(FakeEngine())
+    uvicorn.run(create_app(settings, engine, args.role), **server_options(settings))
 
 
 if __name__ == "__main__":

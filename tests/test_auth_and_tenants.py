@@ -81,23 +81,23 @@ def test_another_key_sees_nothing_of_a_tenant_and_changes_nothing(client, fake_e
     done = wait_status(owner, batch["id"], {"completed"})
     output_id = done["output_file_id"]
 
-    with TestClient(client.app, headers={"Authorization": f"Bearer {KEY_B}"}) as other:
-        for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content", f"/v1/files/{output_id}"):
-            assert other.get(path).status_code == 404
-        assert other.delete(f"/v1/files/{file_id}").status_code == 404
-        for path in (f"/v1/batches/{batch['id']}", f"/v1/batches/{batch['id']}/partial_output"):
-            assert other.get(path).status_code == 404
-        assert other.post(f"/v1/batches/{batch['id']}/cancel").status_code == 404
-        stolen = other.post(
-            "/v1/batches",
-            json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
-        )
-        assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "input_file_id"
-        assert other.get("/v1/files").json()["data"] == []
-        assert other.get("/v1/batches").json()["data"] == []
-        # A cursor naming someone else's object is as unknown as one naming nothing.
-        assert other.get("/v1/files", params={"after": file_id}).status_code == 400
-        assert other.get("/v1/batches", params={"after": batch["id"]}).status_code == 400
+    other = TestClient(client.app, headers={"Authorization": f"Bearer {KEY_B}"})  # the running app, another key
+    for path in (f"/v1/files/{file_id}", f"/v1/files/{file_id}/content", f"/v1/files/{output_id}"):
+        assert other.get(path).status_code == 404
+    assert other.delete(f"/v1/files/{file_id}").status_code == 404
+    for path in (f"/v1/batches/{batch['id']}", f"/v1/batches/{batch['id']}/partial_output"):
+        assert other.get(path).status_code == 404
+    assert other.post(f"/v1/batches/{batch['id']}/cancel").status_code == 404
+    stolen = other.post(
+        "/v1/batches",
+        json={"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+    )
+    assert stolen.status_code == 404 and stolen.json()["error"]["param"] == "input_file_id"
+    assert other.get("/v1/files").json()["data"] == []
+    assert other.get("/v1/batches").json()["data"] == []
+    # A cursor naming someone else's object is as unknown as one naming nothing.
+    assert other.get("/v1/files", params={"after": file_id}).status_code == 400
+    assert other.get("/v1/batches", params={"after": batch["id"]}).status_code == 400
 
     assert owner.get(f"/v1/files/{file_id}/content").content == content
     assert len(owner.get(f"/v1/files/{output_id}/content").content.splitlines()) == 3

@@ -154,7 +154,9 @@ def test_with_keys_the_console_asks_once_and_never_keeps_the_key(tmp_path, engin
 def test_two_keys_see_disjoint_lists_and_each_others_batches_are_not_found(tmp_path, engine_service):
     settings = Settings(data_dir=tmp_path / "data", api_keys=f"{KEY_A},{KEY_B}", disk_reserve_bytes=65536)
     app = create_app(settings, engine_service)
-    with TestClient(app) as api, TestClient(app) as console_a, TestClient(app) as console_b:
+    # One lifespan (the first client's): the others are more browsers on the same running app.
+    with TestClient(app) as api:
+        console_a, console_b = TestClient(app), TestClient(app)
         ids = {}
         for key in (KEY_A, KEY_B):
             api.headers["Authorization"] = f"Bearer {key}"

@@ -11,7 +11,8 @@ from app.core.config import Settings
 from app.core.db import DatabaseTaken, make_engine, write_problem
 from app.domain import batches
 from app.engine.service import EngineService
-from app.main import create_app
+from app.engine.view import WorkersView
+from app.main import Role, create_app
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
@@ -75,17 +76,22 @@ def test_probes_ready_only_when_work_can_run_and_live_unless_a_restart_is_what_h
     assert client.get("/health/ready").status_code == 503
 
 
-def test_a_second_service_on_one_postgres_database_refuses_to_start(postgres, tmp_path, engine_service):
-    url = postgres.new_database()
-    first = Settings(data_dir=tmp_path / "a", database_url=url, disk_reserve_bytes=0)
-    second = Settings(data_dir=tmp_path / "b", database_url=url, disk_reserve_bytes=0)
-    with TestClient(create_app(first, engine_service)) as running:
-        with (
-            pytest.raises(DatabaseTaken, match="another vbatch service"),
-            TestClient(create_app(second, EngineService(FakeEngine()))),
-        ):
-            pass
+@pytest.mark.parametrize("backend", ["sqlite", "postgres"], indirect=True)
+def test_serve_runs_alone_on_its_database_and_api_and_worker_run_together(settings, engine_service):
+    """`vbatch serve` sweeps what no row refers to and expects nobody beside it; API replicas and workers share."""
+    serve, api, worker = Role.SERVE, Role.API, Role.WORKER
+    with TestClient(create_app(settings, engine_service)) as running:
+        for role, refusal in ((serve, "runs alone"), (api, "not beside it"), (worker, "not beside it")):
+            with pytest.raises(DatabaseTaken, match=refusal), TestClient(app_for(settings, role)):
+                pass
         assert running.get("/health").status_code == 200
-    # Stopped, the first lets the next one in.
-    with TestClient(create_app(second, EngineService(FakeEngine()))) as after:
-        assert after.get("/health").status_code == 200
+    # Stopped, it lets the others in, any number of them; then `serve` is the one refused.
+    with TestClient(app_for(settings, api)), TestClient(app_for(settings, worker)) as beside:
+        assert beside.get("/health").status_code == 200
+        with pytest.raises(DatabaseTaken, match="runs alone"), TestClient(app_for(settings, serve)):
+            pass
+
+
+def app_for(settings: Settings, role: Role):
+    engine = WorkersView() if role == Role.API else EngineService(FakeEngine())
+    return create_app(settings, engine, role)

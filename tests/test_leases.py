@@ -151,6 +151,7 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
             wait_for(lambda: batch["id"] not in stalled.leases and stalled.live_stats(batch["id"]) is None)
             assert client.get(f"/v1/batches/{batch['id']}").json() == done
             assert batches.get(db=db, batch_id=batch["id"], owner=None).model_dump() == row
+            assert not list(settings.files_dir.glob(f"{batch['id']}.*"))  # both runs' parts went with the batch
             assert client.get(f"/v1/files/{done['output_file_id']}/content").content == published
         finally:
             thawed.set()

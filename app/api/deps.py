@@ -10,7 +10,7 @@ from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.engine.service import EngineService
+from app.engine.view import EngineView
 from app.metrics import Metrics
 
 
@@ -26,7 +26,7 @@ def _storage(request: Request) -> Storage:
     return request.app.state.storage
 
 
-def _engine(request: Request) -> EngineService:
+def _engine(request: Request) -> EngineView:
     return request.app.state.engine
 
 
@@ -45,7 +45,7 @@ def _owner(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, S
 SettingsDep = Annotated[Settings, Depends(_settings)]
 DbDep = Annotated[Engine, Depends(_db)]
 StorageDep = Annotated[Storage, Depends(_storage)]
-EngineDep = Annotated[EngineService, Depends(_engine)]
+EngineDep = Annotated[EngineView, Depends(_engine)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
 # The caller's owner id; resolving it authenticates the request (401 otherwise).
 OwnerDep = Annotated[str, Depends(_owner)]

@@ -11,7 +11,7 @@ from app.core.db import write_problem
 from app.core.storage import Storage
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
-from app.engine.service import EngineService
+from app.engine.view import EngineView
 
 router = APIRouter(tags=["system"])
 
@@ -45,7 +45,7 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
 def metrics(registry: MetricsDep, engine: EngineDep, _: OwnerDep) -> Response:
     """Prometheus text format: the engine's `vllm:` series and vbatch's (`vbatch_*`). Needs a key when keys are
     configured: it counts every tenant's work."""
-    text = registry.exposition(engine.live.metrics_text())
+    text = registry.exposition(engine.metrics_text())
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 
@@ -71,7 +71,7 @@ def live(engine: EngineDep) -> JSONResponse:
     return JSONResponse(status.model_dump(), status_code=503 if engine.state == "down" else 200)
 
 
-def health_status(engine: EngineService, settings: Settings, storage: Storage, db: Engine) -> HealthStatus:
+def health_status(engine: EngineView, settings: Settings, storage: Storage, db: Engine) -> HealthStatus:
     problems = [
         problem
         for problem in (

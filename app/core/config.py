@@ -54,6 +54,9 @@ class Settings(BaseSettings):
     # A service holds each batch it runs on a lease it renews every second (`app.domain.leases`); a service that
     # stops renewing (dead, or stalled) loses its batches to another once this has passed.
     lease_seconds: float = 30.0
+    # Batches a `vbatch worker` holds at once (the one feeding its engine and the next): the rest wait in the database
+    # for whichever worker has room. `vbatch serve`, alone, holds every active batch.
+    worker_batches: int = 2
     # Times a line may kill the engine while running alone before it goes to the error file.
     engine_deaths_per_line: int = 2
     # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.

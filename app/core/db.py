@@ -4,13 +4,15 @@ what must not change is a row that does not exist yet)."""
 
 from __future__ import annotations
 
+import fcntl
 import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from sqlalchemy import event, text
-from sqlalchemy.engine import Connection, Engine, make_url
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, create_engine
 
@@ -83,22 +85,40 @@ class DatabaseTaken(RuntimeError):
     pass
 
 
-def claim_database(engine: Engine) -> Connection | None:
-    """The running service's claim on a server database, held as long as the returned connection stays open:
-    until batches are shared out in shards, two services on one database would both run every batch. SQLite
-    needs none (its file lives in the service's own data directory)."""
+class Claim(Protocol):
+    def close(self) -> None: ...
+
+
+def claim_database(engine: Engine, data_dir: Path, *, exclusive: bool) -> Claim:
+    """This process's claim on the database, held until `close`: `vbatch serve` claims it alone (`exclusive`: it
+    sweeps what no row refers to and expects no other process beside it), API replicas and workers together. A
+    lock on the server for Postgres, on a file beside the database for SQLite (whose processes share a host)."""
+    where = engine.url.render_as_string(hide_password=True)
     if engine.dialect.name == "sqlite":
-        return None
+        lock = (data_dir / "service.lock").open("a")
+        try:
+            fcntl.flock(lock, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise DatabaseTaken(_taken_message(where, exclusive)) from None
+        return lock
     connection = engine.connect()
-    taken = connection.execute(text("SELECT pg_try_advisory_lock(hashtextextended('vbatch-service', 0))")).scalar()
+    function = "pg_try_advisory_lock" if exclusive else "pg_try_advisory_lock_shared"
+    taken = connection.execute(text(f"SELECT {function}(hashtextextended('vbatch-service', 0))")).scalar()
     connection.commit()
     if not taken:
         connection.close()
-        raise DatabaseTaken(
-            f"another vbatch service already runs on {engine.url.render_as_string(hide_password=True)}; "
-            "one service per database until API replicas and workers are split"
-        )
+        raise DatabaseTaken(_taken_message(where, exclusive))
     return connection
+
+
+def _taken_message(where: str, exclusive: bool) -> str:
+    if exclusive:
+        return (
+            f"another vbatch process already runs on {where}: `vbatch serve` runs alone "
+            "(for several processes, run `vbatch api` and `vbatch worker`)"
+        )
+    return f"`vbatch serve` already runs on {where}: API replicas and workers run beside each other, not beside it"
 
 
 def write_problem(engine: Engine) -> str | None:

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import shutil
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -115,6 +116,13 @@ class Storage:
     def names(self) -> list[str]:
         """Everything in the directory, temporary uploads included."""
         return [entry.name for entry in self.root.iterdir() if entry.is_file()]
+
+    def age_seconds(self, name: str) -> float:
+        """Since the raw directory entry `name` was last written (0 if it is gone)."""
+        try:
+            return time.time() - (self.root / name).stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
 
     def remove_any(self, name: str) -> None:
         """Delete by raw directory entry name (used by the startup sweep for temporary files too)."""

@@ -124,3 +124,19 @@ class WebhookEvent(SQLModel, table=True):
     delivered_at: int | None = None
     given_up_at: int | None = None
     last_error: str | None = None
+
+
+class WorkerRow(SQLModel, table=True):
+    """A service that runs batches (`vbatch serve` or `vbatch worker`), as it last said: API replicas read the
+    models served and the engines' state from here."""
+
+    __tablename__ = "workers"
+
+    holder: str = Field(primary_key=True)  # its name on the batch leases it holds (`app.domain.leases`)
+    started_at: int
+    beat_ns: int = Field(sa_type=BigInteger, index=True)
+    state: str
+    served_models_json: str = "[]"
+    engine_config_json: str = "{}"
+    scheduler_error: str | None = None
+    engine_deaths: int = 0

@@ -84,15 +84,17 @@ def input_name(batch_id: str) -> str:
     return f"{batch_id}.input"
 
 
-def run_files(batch_id: str, *tokens: int) -> tuple[str, ...]:
-    """What an active batch keeps in Storage: its index, its input, and the part files of `tokens`."""
-    parts = [name for token in dict.fromkeys(tokens) for name in part_names(batch_id, token)]
+def run_files(batch_id: str, last_token: int) -> tuple[str, ...]:
+    """What an active batch keeps in Storage: its index, its input, and the part files of every lease token up to
+    `last_token` (a run that died before its first checkpoint leaves its own too)."""
+    parts = [name for token in range(last_token + 1) for name in part_names(batch_id, token)]
     return (*parts, index_name(batch_id), input_name(batch_id))
 
 
-def is_run_file(name: str, batch_id: str) -> bool:
-    """Whether `name` is one of the batch's run files, under any token (the sweep keeps them while it is active)."""
-    return name.startswith(f"{batch_id}.")
+def run_file_batch(name: str) -> str | None:
+    """The batch whose run file `name` is, under any token (the sweep keeps them while it is active), or None."""
+    batch_id, dot, _ = name.partition(".")
+    return batch_id if dot and batch_id.startswith("batch_") else None
 
 
 def http_outcome(custom_id: str, status_code: int, body: Body) -> Outcome:

@@ -52,7 +52,7 @@ async def publish(
     lease: Lease | None = None,
 ) -> None:
     """Close the sink, give each non-empty part a File row, end the batch with them (under `lease`, if it still
-    holds), then drop its run files: this run's parts and those of the checkpoint it began from."""
+    holds), then drop its run files."""
     await sink.close()
     output = await _result_file(storage, settings, row, sink.output, "output")
     error = await _result_file(storage, settings, row, sink.errors, "error")
@@ -69,7 +69,7 @@ async def publish(
         errors=errors,
         lease=lease,
     )
-    for name in run_files(row.id, row.parts_token, lease.token if lease is not None else row.parts_token):
+    for name in run_files(row.id, row.lease_token):
         await storage.delete(name)
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": row.id, "event": f"batch.{status}", **done}

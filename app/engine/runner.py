@@ -79,7 +79,7 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
         await BatchRun(ctx, row, index).run()
     elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
         batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
-        for name in run_files(row.id, row.parts_token):
+        for name in run_files(row.id, row.lease_token):
             await ctx.storage.delete(name)
 
 

@@ -21,11 +21,12 @@ from sqlalchemy.engine import Engine
 from app.core import clock, logs
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain import batches, leases
+from app.domain import batches, leases, workers
 from app.domain.leases import Lease, LeaseLost
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.schemas import RunStats
+from app.domain.workers import WorkerState
 from app.engine.context import Context
 from app.engine.ending import end_from_checkpoint
 from app.engine.live import LiveEngine
@@ -65,10 +66,29 @@ class EngineService:
         # The batches this service holds (`app.domain.leases`), by id; renewed at every look for work.
         self.holder = leases.holder_name()
         self.leases: dict[str, Lease] = {}
+        self.hold_at_most: int | None = None
 
     @property
     def state(self) -> Literal["starting", "ok", "restarting", "down"]:
         return self.live.state
+
+    @property
+    def deaths(self) -> int:
+        return self.live.deaths
+
+    def metrics_text(self) -> bytes:
+        return self.live.metrics_text()
+
+    def worker_state(self) -> WorkerState:
+        return WorkerState(
+            holder=self.holder,
+            started_at=self.started_at,
+            state=self.state,
+            served_models=list(self.served_models),
+            engine_config=dict(self.engine_config),
+            scheduler_error=self.scheduler_error,
+            engine_deaths=self.live.deaths,
+        )
 
     def live_stats(self, batch_id: str) -> RunStats | None:
         """A running batch's live numbers, from any thread; None when it is not running here."""
@@ -101,9 +121,19 @@ class EngineService:
             with contextlib.suppress(RuntimeError):  # the engine loop has already closed
                 loop.call_soon_threadsafe(event.set)
 
-    async def start(self, *, db: Engine, storage: Storage, settings: Settings, metrics: Metrics | None = None) -> None:
-        """Returns at once: the engine starts, and batches run, on the engine thread."""
+    async def start(
+        self,
+        *,
+        db: Engine,
+        storage: Storage,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        hold_at_most: int | None = None,
+    ) -> None:
+        """Returns at once: the engine starts, and batches run, on the engine thread. It holds at most `hold_at_most`
+        batches at once (None: every active batch, as `vbatch serve` alone does)."""
         self._stop_requested.clear()
+        self.hold_at_most = hold_at_most
         self.metrics = metrics or Metrics()
         self._thread = threading.Thread(
             target=asyncio.run, args=(self._lifetime(db, storage, settings),), name="vbatch-engine", daemon=True
@@ -121,12 +151,15 @@ class EngineService:
         self._wake, self._stopping = asyncio.Event(), asyncio.Event()
         self._loop = asyncio.get_running_loop()
         main = asyncio.create_task(self._main(db, storage, settings))
+        beat = asyncio.create_task(self._beat(db))
         if not self._stop_requested.is_set():  # a stop asked before the loop existed is seen here
             await self._stopping.wait()
-        for task in [*self._running.values(), main]:
+        for task in [*self._running.values(), main, beat]:
             task.cancel()
-        await asyncio.gather(*self._running.values(), main, return_exceptions=True)
+        await asyncio.gather(*self._running.values(), main, beat, return_exceptions=True)
         self._release_all(db)
+        with contextlib.suppress(Exception):
+            workers.forget(db=db, holder=self.holder)
         await self._stop_engine()
         self._loop = None
 
@@ -255,13 +288,23 @@ class EngineService:
                 log.error("batch %s: its lease passed to another service; this run stops", batch_id)
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for lease in leases.claim(db=db, holder=self.holder, seconds=settings.lease_seconds):
-            self.leases[lease.batch_id] = lease
+        room = None if self.hold_at_most is None else self.hold_at_most - len(self.leases)
+        if room is None or room > 0:
+            for lease in leases.claim(db=db, holder=self.holder, seconds=settings.lease_seconds, limit=room):
+                self.leases[lease.batch_id] = lease
         rows = [row for row in batches.active(db=db) if row.id in self.leases]
         active = {row.id for row in rows}
         for batch_id in [b for b in self.leases if b not in active and b not in self._running]:
             del self.leases[batch_id]  # it ended
         return rows
+
+    async def _beat(self, db: Engine) -> None:
+        """Say every second what this service is, for API replicas (`app.domain.workers`); a beat that fails (the
+        database gone for a moment) is tried again at the next."""
+        while True:
+            with contextlib.suppress(Exception):
+                workers.beat(db=db, worker=self.worker_state())
+            await asyncio.sleep(POLL_SECONDS)
 
     def _release_all(self, db: Engine) -> None:
         """A service that stops gives its batches up, for the next one to take at once."""

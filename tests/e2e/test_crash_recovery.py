@@ -244,7 +244,7 @@ def test_engine_death_poison_line_and_sigterm(lineage):
         assert server.wait_exit(timeout=30) in (0, -signal.SIGTERM)
         assert "Application shutdown complete" in (lineage.base / "serve-1.log").read_text(errors="replace")
         exit_seconds = time.monotonic() - asked
-        part = lineage.data_dir / "files" / f"{stopped}.output.part"
+        [part] = (lineage.data_dir / "files").glob(f"{stopped}.*.output.part")  # named by its run's lease token
         finished_at_stop = [json.loads(line) for line in part.read_bytes().splitlines()]
         assert 2 <= len(finished_at_stop) < 16
 

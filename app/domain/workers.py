@@ -1,0 +1,69 @@
+"""The services that run batches, as each last said: its engine's state, the models it serves, its engine's
+configuration. Each says so every second (`beat`); an API replica (`vbatch api`, which has no engine) answers
+/v1/models, /health and the console's engine page from those that spoke lately (`seen`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sqlalchemy import delete
+from sqlalchemy.engine import Engine
+from sqlmodel import col, select
+
+from app.core import clock
+from app.core.db import session_scope, write_scope
+from app.domain.models import WorkerRow
+
+
+@dataclass(frozen=True)
+class WorkerState:
+    holder: str
+    started_at: int
+    state: str
+    served_models: list[str]
+    engine_config: dict
+    scheduler_error: str | None
+    engine_deaths: int
+
+
+def beat(*, db: Engine, worker: WorkerState) -> None:
+    with write_scope(db) as session:
+        row = session.get(WorkerRow, worker.holder, with_for_update=True) or WorkerRow(
+            holder=worker.holder, started_at=worker.started_at, beat_ns=0, state=worker.state
+        )
+        row.beat_ns = clock.now_ns()
+        row.state = worker.state
+        row.served_models_json = json.dumps(worker.served_models)
+        row.engine_config_json = json.dumps(worker.engine_config, default=str)
+        row.scheduler_error = worker.scheduler_error
+        row.engine_deaths = worker.engine_deaths
+        session.add(row)
+        session.commit()
+
+
+def seen(*, db: Engine, within_seconds: float) -> list[WorkerState]:
+    """The services heard from in the last `within_seconds`, the longest running first."""
+    since = clock.now_ns() - int(within_seconds * 1e9)
+    with session_scope(db) as session:
+        statement = select(WorkerRow).where(col(WorkerRow.beat_ns) >= since).order_by(col(WorkerRow.started_at))
+        return [_state(row) for row in session.exec(statement).all()]
+
+
+def forget(*, db: Engine, holder: str) -> None:
+    """A service that stops says so: it is gone from /health at once, not when it falls silent."""
+    with write_scope(db) as session:
+        session.exec(delete(WorkerRow).where(col(WorkerRow.holder) == holder))  # type: ignore[call-overload]
+        session.commit()
+
+
+def _state(row: WorkerRow) -> WorkerState:
+    return WorkerState(
+        holder=row.holder,
+        started_at=row.started_at,
+        state=row.state,
+        served_models=json.loads(row.served_models_json),
+        engine_config=json.loads(row.engine_config_json),
+        scheduler_error=row.scheduler_error,
+        engine_deaths=row.engine_deaths,
+    )

@@ -1,0 +1,131 @@
+"""What the API and the console see of the engine: `EngineService` in a process that runs batches (`vbatch
+serve`, `vbatch worker`), `WorkersView` in an API replica (`vbatch api`), which has no engine and reads what the
+workers last said (`app.domain.workers`)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Literal, Protocol
+
+from sqlalchemy.engine import Engine
+
+from app.core import clock
+from app.core.config import Settings
+from app.core.storage import Storage
+from app.domain import workers
+from app.domain.schemas import RunStats
+from app.domain.workers import WorkerState
+from app.metrics import Metrics
+
+State = Literal["starting", "ok", "restarting", "down"]
+# How long a worker may be silent and still count (it says so every second).
+SEEN_SECONDS = 10.0
+
+
+class EngineView(Protocol):
+    started_at: int
+
+    @property
+    def state(self) -> State: ...
+    @property
+    def served_models(self) -> list[str]: ...
+    @property
+    def model_name(self) -> str | None: ...
+    @property
+    def engine_config(self) -> dict[str, object]: ...
+    @property
+    def scheduler_error(self) -> str | None: ...
+    @property
+    def deaths(self) -> int: ...
+
+    def metrics_text(self) -> bytes: ...
+    def live_stats(self, batch_id: str) -> RunStats | None: ...
+    def live_rates(self) -> dict[str, tuple[float, float]]: ...
+    def wake(self) -> None: ...
+    async def start(
+        self,
+        *,
+        db: Engine,
+        storage: Storage,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        hold_at_most: int | None = None,
+    ) -> None: ...
+    async def stop(self) -> None: ...
+
+
+class WorkersView:
+    """The engines of the workers that spoke in the last `SEEN_SECONDS`, read at most once a second. Live numbers
+    of a running batch are the worker's own: here a batch shows the counts of its last checkpoint."""
+
+    def __init__(self) -> None:
+        self.started_at = clock.now()
+        self._db: Engine | None = None
+        self._lock = threading.Lock()
+        self._read_at = 0.0
+        self._seen: list[WorkerState] = []
+
+    async def start(
+        self,
+        *,
+        db: Engine,
+        storage: Storage,
+        settings: Settings,
+        metrics: Metrics | None = None,
+        hold_at_most: int | None = None,
+    ) -> None:
+        self._db = db
+
+    async def stop(self) -> None:
+        self._db = None
+
+    def workers(self) -> list[WorkerState]:
+        with self._lock:
+            if self._db is not None and time.monotonic() - self._read_at >= 1.0:
+                self._seen = workers.seen(db=self._db, within_seconds=SEEN_SECONDS)
+                self._read_at = time.monotonic()
+            return self._seen
+
+    @property
+    def state(self) -> State:
+        """`ok` while any worker's engine is; else the most hopeful state among them; `starting` with none yet."""
+        states = {worker.state for worker in self.workers()}
+        for state in ("ok", "restarting", "starting"):
+            if state in states:
+                return state  # type: ignore[return-value]
+        return "down" if states else "starting"
+
+    @property
+    def served_models(self) -> list[str]:
+        return list(dict.fromkeys(model for worker in self.workers() for model in worker.served_models))
+
+    @property
+    def model_name(self) -> str | None:
+        models = self.served_models
+        return models[0] if models else None
+
+    @property
+    def engine_config(self) -> dict[str, object]:
+        seen = self.workers()
+        return dict(seen[0].engine_config) if seen else {}
+
+    @property
+    def scheduler_error(self) -> str | None:
+        return next((worker.scheduler_error for worker in self.workers() if worker.scheduler_error), None)
+
+    @property
+    def deaths(self) -> int:
+        return sum(worker.engine_deaths for worker in self.workers())
+
+    def metrics_text(self) -> bytes:
+        return b""  # each worker's engine series are on its own /metrics
+
+    def live_stats(self, batch_id: str) -> RunStats | None:
+        return None
+
+    def live_rates(self) -> dict[str, tuple[float, float]]:
+        return {}
+
+    def wake(self) -> None:
+        """Workers look for new work every second on their own."""

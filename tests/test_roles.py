@@ -1,0 +1,170 @@
+"""`vbatch api` replicas and `vbatch worker` processes over one database and one files directory (fake engines in
+processes of their own): batches are shared out, each line answered once, a killed worker's batch is taken over, a
+stalled one writes nothing when it comes back, and a cancel reaches whichever worker runs the batch."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from openai import OpenAI
+
+from app.core.config import Settings
+from app.core.db import make_engine
+from app.domain import batches
+from app.engine.service import EngineService
+from app.main import create_app
+from app.testing import FakeEngine, VbatchServer
+from tests.helpers import free_port, jsonl, request_line, wait_for
+
+BACKENDS = ("sqlite", "postgres")
+LEASE_SECONDS = 3
+
+
+class Cluster:
+    def __init__(self, base: Path, database_url: str | None) -> None:
+        self.data_dir = base / "data"
+        self.base = base
+        self.env = {
+            "VBATCH_LEASE_SECONDS": str(LEASE_SECONDS),
+            "VBATCH_CHECKPOINT_SECONDS": "0.1",
+            "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.02",
+            **({"VBATCH_DATABASE_URL": database_url} if database_url else {}),
+        }
+        self.settings = Settings(data_dir=self.data_dir, database_url=database_url)
+        self.workers: list[VbatchServer] = []
+        self.apis: list[VbatchServer] = []
+
+    def start(self, role: str) -> VbatchServer:
+        name = f"{role}{len(self.workers) + len(self.apis)}"
+        server = VbatchServer(
+            self.data_dir, free_port(), [], self.base / f"{name}.log", env=self.env, fake_engine=True, role=role
+        )
+        (self.workers if role == "worker" else self.apis).append(server)
+        return server
+
+    def holder_process(self, batch_id: str) -> VbatchServer:
+        """The worker whose lease the batch is on (the holder's name carries its pid)."""
+        db = make_engine(self.settings.database)
+        try:
+            holder = batches.get(db=db, batch_id=batch_id, owner=None).lease_holder
+        finally:
+            db.dispose()
+        assert holder is not None
+        pid = int(holder.split("/")[1])
+        [worker] = [worker for worker in self.workers if worker.process.pid == pid]
+        return worker
+
+    def row(self, batch_id: str) -> dict:
+        db = make_engine(self.settings.database)
+        try:
+            return batches.get(db=db, batch_id=batch_id, owner=None).model_dump()
+        finally:
+            db.dispose()
+
+    def stop(self) -> None:
+        for server in [*self.apis, *self.workers]:
+            server.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
+    running = Cluster(tmp_path, database_url)
+    try:
+        running.start("worker").wait_ready(timeout=120)  # the first migrates the database; the rest find it done
+        for server in [running.start("worker"), running.start("worker"), running.start("api"), running.start("api")]:
+            server.wait_ready(timeout=120)
+        yield running
+    finally:
+        running.stop()
+
+
+def sdk(server: VbatchServer) -> OpenAI:
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+
+
+def submit(client: OpenAI, tmp_path: Path, name: str, lines: int) -> str:
+    path = tmp_path / f"{name}.jsonl"
+    path.write_bytes(jsonl([request_line(f"{name}-{i}") for i in range(lines)]))
+    uploaded = client.files.create(file=path.open("rb"), purpose="batch")
+    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h").id
+
+
+def ended(client: OpenAI, batch_id: str, timeout: float = 60):
+    return wait_for(
+        lambda: (batch := client.batches.retrieve(batch_id)).status in ("completed", "failed", "cancelled") and batch,
+        timeout=timeout,
+    )
+
+
+def answers(client: OpenAI, file_id: str | None) -> dict[str, dict]:
+    lines = [json.loads(line) for line in client.files.content(file_id).content.splitlines()] if file_id else []
+    assert len({line["custom_id"] for line in lines}) == len(lines), "a custom_id answered twice"
+    return {line["custom_id"]: line["response"]["body"] for line in lines}
+
+
+def single_process_answers(tmp_path: Path, name: str, lines: int) -> dict[str, dict]:
+    settings = Settings(data_dir=tmp_path / "alone", checkpoint_seconds=0.1, disk_reserve_bytes=65536)
+    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+        content = jsonl([request_line(f"{name}-{i}") for i in range(lines)])
+        file_id = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
+        body = {"input_file_id": file_id.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+        batch_id = client.post("/v1/batches", json=body).json()["id"]
+        output = wait_for(lambda: client.get(f"/v1/batches/{batch_id}").json()["output_file_id"])
+        rows = [json.loads(line) for line in client.get(f"/v1/files/{output}/content").content.splitlines()]
+    return {row["custom_id"]: row["response"]["body"] for row in rows}
+
+
+def test_replicas_and_workers_share_batches_and_answer_each_line_once(cluster, tmp_path):
+    clients = [sdk(api) for api in cluster.apis]
+    ids = [submit(clients[n % 2], tmp_path, f"b{n}", 40) for n in range(10)]
+    holders = set()
+    for n, batch_id in enumerate(ids):
+        batch = ended(clients[(n + 1) % 2], batch_id)  # followed through the other replica
+        assert batch.status == "completed" and batch.request_counts.completed == 40
+        assert answers(clients[n % 2], batch.output_file_id) == single_process_answers(tmp_path / f"b{n}", f"b{n}", 40)
+        holders.add(cluster.row(batch_id)["lease_holder"])
+    assert len(holders) >= 2  # the batches were shared out
+
+
+def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(cluster, tmp_path):
+    client = sdk(cluster.apis[0])
+    killed_batch = submit(client, tmp_path, "killed", 400)
+    wait_for(lambda: client.batches.retrieve(killed_batch).request_counts.completed >= 40)
+    killed = cluster.holder_process(killed_batch)
+    killed.kill()
+    batch = ended(client, killed_batch)
+    assert batch.status == "completed"
+    assert answers(client, batch.output_file_id).keys() == {f"killed-{i}" for i in range(400)}
+    assert cluster.row(killed_batch)["lease_token"] == 2  # one takeover
+
+    stalled_batch = submit(client, tmp_path, "stalled", 400)
+    wait_for(lambda: client.batches.retrieve(stalled_batch).request_counts.completed >= 40)
+    stalled = cluster.holder_process(stalled_batch)
+    os.killpg(stalled.process.pid, signal.SIGSTOP)
+    try:
+        batch = ended(client, stalled_batch)
+        published = client.files.content(batch.output_file_id).content
+        row = cluster.row(stalled_batch)
+    finally:
+        os.killpg(stalled.process.pid, signal.SIGCONT)
+    wait_for(lambda: "its lease passed to another service" in stalled.log_path.read_text())
+    assert cluster.row(stalled_batch) == row
+    assert client.files.content(batch.output_file_id).content == published
+    assert answers(client, batch.output_file_id).keys() == {f"stalled-{i}" for i in range(400)}
+
+
+def test_a_cancel_through_either_replica_reaches_the_worker_running_the_batch(cluster, tmp_path):
+    first, second = (sdk(api) for api in cluster.apis)
+    batch_id = submit(first, tmp_path, "cancelled", 400)
+    wait_for(lambda: first.batches.retrieve(batch_id).request_counts.completed >= 20)
+    second.batches.cancel(batch_id)
+    batch = ended(first, batch_id)
+    assert batch.status == "cancelled"
+    counts = batch.request_counts
+    assert counts.total == 400 and 20 <= counts.completed < 400 and counts.completed + counts.failed == 400
