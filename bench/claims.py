@@ -78,6 +78,7 @@ def claims_per_second(url: str, batches_count: int, workers: int) -> dict:
 
 
 def takeover_seconds(out: Path, url: str | None, lease_seconds: float, port: int) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
     data_dir = out / "takeover-data"
     env = {
         "VBATCH_LEASE_SECONDS": str(lease_seconds),
