@@ -263,6 +263,31 @@ class VbatchServer:
         self.log.close()
 
 
+def add_running_batches(db, count: int, prefix: str = "batch_test") -> list[str]:
+    """`count` in-progress batch rows (no input behind them) straight into the database: claim tests and benches."""
+    from app.core.db import session_scope
+    from app.domain.lifecycle import BatchStatus
+    from app.domain.models import BatchRow
+
+    ids = [f"{prefix}{n:06d}" for n in range(count)]
+    now = time.time_ns()
+    with session_scope(db) as session:
+        for n, batch_id in enumerate(ids):
+            session.add(
+                BatchRow(
+                    id=batch_id,
+                    created_ns=now + n,
+                    endpoint="/v1/chat/completions",
+                    input_file_id="file-none",
+                    completion_window="24h",
+                    status=BatchStatus.IN_PROGRESS,
+                    created_at=now // 10**9,
+                )
+            )
+        session.commit()
+    return ids
+
+
 class LocalPostgres:
     """A PostgreSQL server from PyPI (`pgserver`, a dev dependency) in `folder`, on a Unix socket: tests and
     benches get a fresh database from it in milliseconds."""

@@ -26,32 +26,16 @@ from pathlib import Path
 import httpx
 
 from app.core.config import Settings
-from app.core.db import make_engine, session_scope
+from app.core.db import make_engine
 from app.core.migrate import upgrade_to_head
 from app.domain import batches, leases
-from app.domain.lifecycle import BatchStatus
-from app.domain.models import BatchRow
-from app.testing import LocalPostgres, VbatchServer
+from app.testing import LocalPostgres, VbatchServer, add_running_batches
 
 
 def claims_per_second(url: str, batches_count: int, workers: int) -> dict:
     upgrade_to_head(url)
     db = make_engine(url)
-    now = time.time_ns()
-    with session_scope(db) as session:
-        for n in range(batches_count):
-            session.add(
-                BatchRow(
-                    id=f"batch_bench{n:06d}",
-                    created_ns=now + n,
-                    endpoint="/v1/chat/completions",
-                    input_file_id="file-bench",
-                    completion_window="24h",
-                    status=BatchStatus.IN_PROGRESS,
-                    created_at=int(time.time()),
-                )
-            )
-        session.commit()
+    add_running_batches(db, batches_count, prefix="batch_bench")
     taken: list[list[str]] = [[] for _ in range(workers)]
 
     def worker(index: int) -> None:

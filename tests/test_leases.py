@@ -24,7 +24,7 @@ from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import FakeEngine
+from app.testing import FakeEngine, add_running_batches
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 BACKENDS = ("sqlite", "postgres")
@@ -40,27 +40,8 @@ def db(settings, backend):
     engine.dispose()
 
 
-def add_batches(db, count: int) -> list[str]:
-    ids = [f"batch_lease{i:03d}" for i in range(count)]
-    with session_scope(db) as session:
-        for n, batch_id in enumerate(ids):
-            session.add(
-                BatchRow(
-                    id=batch_id,
-                    created_ns=time.time_ns() + n,
-                    endpoint="/v1/chat/completions",
-                    input_file_id="file-x",
-                    completion_window="24h",
-                    status=BatchStatus.IN_PROGRESS,
-                    created_at=int(time.time()),
-                )
-            )
-        session.commit()
-    return ids
-
-
 def test_each_batch_goes_to_one_of_many_claimers(db):
-    ids = add_batches(db, 24)
+    ids = add_running_batches(db, 24)
 
     def claim_all(holder: str) -> list[str]:
         taken = []
@@ -75,7 +56,7 @@ def test_each_batch_goes_to_one_of_many_claimers(db):
 
 
 def test_a_lease_that_ran_out_is_taken_over_and_its_old_holder_is_fenced(db):
-    [batch_id] = add_batches(db, 1)
+    [batch_id] = add_running_batches(db, 1)
     [old] = leases.claim(db=db, holder="a", seconds=-1)  # run out already
     [new] = leases.claim(db=db, holder="b", seconds=30)
     assert (old.token, new.token) == (1, 2)
@@ -97,7 +78,7 @@ def test_a_lease_that_ran_out_is_taken_over_and_its_old_holder_is_fenced(db):
 
 
 def test_leases_of_this_hosts_dead_processes_are_freed(db):
-    ids = add_batches(db, 3)
+    ids = add_running_batches(db, 3)
     gone = psutil.Popen(["true"])
     gone.wait()
     me = psutil.Process()
