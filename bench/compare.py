@@ -82,6 +82,28 @@ def vbatch_postgres_side(args: argparse.Namespace, tickets: Path, out: Path) -> 
         postgres.stop()
 
 
+def vbatch_cluster_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    """The service split in two processes on Postgres: a `vbatch worker` with the engine, and a `vbatch api` that
+    the SDK talks to (one data directory, as on one host)."""
+    postgres = LocalPostgres(out / "pg-cluster")
+    env = {"VBATCH_DATABASE_URL": postgres.new_database()}
+    data = out / "vbatch_cluster-data"
+    worker = VbatchServer(data, 8124, engine_flags(args), out / "vbatch_cluster-worker.log", env=env, role="worker")
+    api = None
+    try:
+        start_s = worker.wait_ready(timeout=400)
+        api = VbatchServer(data, 8123, [], out / "vbatch_cluster-api.log", env=env, role="api")
+        api.wait_ready(timeout=120)
+        warm_up(api.base_url, out, SERVED, SAMPLING)
+        measured = measure(api, tickets, hammer=args.poll_load)
+        return {"side": "vbatch_cluster", "engine_start_s": round(start_s, 2), **measured}
+    finally:
+        for server in (api, worker):
+            if server is not None:
+                server.stop()
+        postgres.stop()
+
+
 def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     extra = json.dumps(
         {**({"load_format": "dummy"} if args.dummy else {}), **({"enforce_eager": True} if args.eager else {})}
@@ -132,6 +154,7 @@ def main() -> None:
     sides = {
         "vbatch": vbatch_side,
         "vbatch_postgres": vbatch_postgres_side,
+        "vbatch_cluster": vbatch_cluster_side,
         "llm_chat": llm_chat_side,
         "run_batch": run_batch_side,
     }
@@ -158,15 +181,19 @@ def print_table(results: dict) -> None:
         print(f"throughput vbatch / LLM.chat: {v['output_tokens_per_s'] / chat['output_tokens_per_s']:.2f}x")
     if v.get("turnaround_s") and rb.get("whole_s"):
         print(f"turnaround vbatch / run-batch whole run: {v['turnaround_s'] / rb['whole_s']:.2f}x")
-    for name in ("vbatch", "vbatch_postgres"):
+    for name in ("vbatch", "vbatch_postgres", "vbatch_cluster"):
         r = sides.get(name, {})
         if r.get("poll_p99_ms") is not None:
             print(
                 f"{name}: GET /v1/batches/{{id}} while saturated: p50 {r['poll_p50_ms']} ms, p99 {r['poll_p99_ms']} ms"
             )
-    pg = sides.get("vbatch_postgres", {})
+    pg, cluster = sides.get("vbatch_postgres", {}), sides.get("vbatch_cluster", {})
     if v.get("turnaround_s") and pg.get("turnaround_s"):
         print(f"turnaround on Postgres / on SQLite: {pg['turnaround_s'] / v['turnaround_s']:.2f}x")
+    if v.get("turnaround_s") and cluster.get("turnaround_s"):
+        print(
+            f"turnaround api + worker on Postgres / serve on SQLite: {cluster['turnaround_s'] / v['turnaround_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":
