@@ -10,6 +10,7 @@ import signal
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
@@ -34,6 +35,7 @@ class Cluster:
             "VBATCH_LEASE_SECONDS": str(LEASE_SECONDS),
             "VBATCH_CHECKPOINT_SECONDS": "0.1",
             "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.02",
+            "VBATCH_COMPLETION_WINDOWS": "24h,3s",
             **({"VBATCH_DATABASE_URL": database_url} if database_url else {}),
         }
         self.settings = Settings(data_dir=self.data_dir, database_url=database_url)
@@ -88,16 +90,24 @@ def sdk(server: VbatchServer) -> OpenAI:
     return OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
 
 
-def submit(client: OpenAI, tmp_path: Path, name: str, lines: int) -> str:
+def submit(client: OpenAI, tmp_path: Path, name: str, lines: int, window: str = "24h") -> str:
     path = tmp_path / f"{name}.jsonl"
     path.write_bytes(jsonl([request_line(f"{name}-{i}") for i in range(lines)]))
     uploaded = client.files.create(file=path.open("rb"), purpose="batch")
-    return client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h").id
+    created = client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window=window,  # type: ignore[arg-type]
+    )
+    return created.id
 
 
 def ended(client: OpenAI, batch_id: str, timeout: float = 60):
     return wait_for(
-        lambda: (batch := client.batches.retrieve(batch_id)).status in ("completed", "failed", "cancelled") and batch,
+        lambda: (
+            (batch := client.batches.retrieve(batch_id)).status in ("completed", "failed", "cancelled", "expired")
+            and batch
+        ),
         timeout=timeout,
     )
 
@@ -159,10 +169,20 @@ def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(c
     assert answers(client, batch.output_file_id).keys() == {f"stalled-{i}" for i in range(400)}
 
 
-def test_a_cancel_through_either_replica_reaches_the_worker_running_the_batch(cluster, tmp_path):
+def test_cancel_and_expiry_reach_the_worker_running_the_batch(cluster, tmp_path):
     first, second = (sdk(api) for api in cluster.apis)
+    # 3,000 answers at 0.02 s, 8 at a time, take 7.5 s: the 3 s window closes mid-run, on whichever worker runs it.
+    expiring = submit(first, tmp_path, "expiring", 3000, window="3s")
+    batch = ended(second, expiring)
+    assert batch.status == "expired"
+    counts = batch.request_counts
+    assert 0 < counts.completed < 3000 and counts.completed + counts.failed == 3000
+
     batch_id = submit(first, tmp_path, "cancelled", 400)
     wait_for(lambda: first.batches.retrieve(batch_id).request_counts.completed >= 20)
+    # A replica shows the live numbers the worker kept at its last checkpoint.
+    progress = f"{cluster.apis[1].base_url}/v1/batches/{batch_id}/progress"
+    assert wait_for(lambda: httpx.get(progress).json()["requests_per_second"]) > 0
     second.batches.cancel(batch_id)
     batch = ended(first, batch_id)
     assert batch.status == "cancelled"

@@ -273,6 +273,7 @@ def publish(
         error_file_id=error.id if error else None,
         timeline_json=json.dumps(timeline),
         series_json=json.dumps(list(series)),
+        live_json=None,
         **extra,
         **vars(progress),
     )
@@ -333,20 +334,36 @@ def _update(*, db: Engine, batch_id: str, lease: Lease | None = None, **fields: 
 
 
 def save_checkpoint(
-    *, db: Engine, batch_id: str, progress: Progress, output_bytes: int, error_bytes: int, lease: Lease | None = None
+    *,
+    db: Engine,
+    batch_id: str,
+    progress: Progress,
+    output_bytes: int,
+    error_bytes: int,
+    lease: Lease | None = None,
+    live: RunStats | None = None,
 ) -> None:
     """Counts and usage together with the fsynced part-file lengths they describe, in one transaction; under a
-    lease, the part files are that lease's (`parts_token`)."""
-    token = {"parts_token": lease.token} if lease is not None else {}
+    lease, the part files are that lease's (`parts_token`); with `live`, the run's live numbers."""
+    extra: dict[str, object] = {"parts_token": lease.token} if lease is not None else {}
+    if live is not None:
+        extra["live_json"] = live.model_dump_json(exclude={"series"})
     _update(
         db=db,
         batch_id=batch_id,
         lease=lease,
         output_bytes_done=output_bytes,
         error_bytes_done=error_bytes,
-        **token,
+        **extra,
         **vars(progress),
     )
+
+
+def stored_live(row: BatchRow) -> RunStats | None:
+    """The live numbers its run kept at its last checkpoint, while the batch is active."""
+    if row.live_json is None or row.status not in ACTIVE:
+        return None
+    return RunStats.model_validate_json(row.live_json)
 
 
 def active(*, db: Engine) -> list[BatchRow]:

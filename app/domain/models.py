@@ -73,6 +73,9 @@ class BatchRow(SQLModel, table=True):
     lease_holder: str | None = None
     lease_expires_ns: int | None = Field(default=None, sa_type=BigInteger)
     lease_token: int = 0
+    # The run's live numbers (`RunStats` without its series, JSON) as of its last checkpoint: what an API replica,
+    # which has no run of its own to ask, shows while the batch runs on a worker. Cleared when the batch ends.
+    live_json: str | None = None
     # Seconds from the start of the last run to each stage it reached (JSON), written when the batch ends.
     timeline_json: str | None = None
     # The rate history of that run (`RunStats.series`, JSON), written when the batch ends.

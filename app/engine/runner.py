@@ -156,6 +156,7 @@ class BatchRun:
             output_bytes=checkpoint.output_bytes,
             error_bytes=checkpoint.error_bytes,
             lease=self.lease,
+            live=self.stats(),
         )
 
     def _expired(self) -> bool:

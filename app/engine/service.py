@@ -166,7 +166,7 @@ class EngineService:
     async def _main(self, db: Engine, storage: Storage, settings: Settings) -> None:
         with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
             if freed := leases.release_dead(db=db):
-                log.info("took back the batches of %d services of this host that are gone", freed)
+                log.info("freed the leases of %d holders on this host whose processes are gone", freed)
         try:
             serving = await self.live.start()
         except Exception:

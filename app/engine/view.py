@@ -13,7 +13,8 @@ from sqlalchemy.engine import Engine
 from app.core import clock
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain import workers
+from app.domain import batches, workers
+from app.domain.errors import NotFound
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.metrics import Metrics
@@ -56,8 +57,8 @@ class EngineView(Protocol):
 
 
 class WorkersView:
-    """The engines of the workers that spoke in the last `SEEN_SECONDS`, read at most once a second. Live numbers
-    of a running batch are the worker's own: here a batch shows the counts of its last checkpoint."""
+    """The engines of the workers that spoke in the last `SEEN_SECONDS`, read at most once a second; a running
+    batch's live numbers as its worker kept them at its last checkpoint."""
 
     def __init__(self) -> None:
         self.started_at = clock.now()
@@ -122,7 +123,13 @@ class WorkersView:
         return b""  # each worker's engine series are on its own /metrics
 
     def live_stats(self, batch_id: str) -> RunStats | None:
-        return None
+        """What the worker running it kept at its last checkpoint (a read; an API replica has no run to ask)."""
+        if self._db is None:
+            return None
+        try:
+            return batches.stored_live(batches.get(db=self._db, batch_id=batch_id, owner=None))
+        except NotFound:
+            return None
 
     def live_rates(self) -> dict[str, tuple[float, float]]:
         return {}

@@ -22,6 +22,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column("lease_holder", sqlmodel.sql.sqltypes.AutoString(), nullable=True))
         batch_op.add_column(sa.Column("lease_expires_ns", sa.BigInteger(), nullable=True))
         batch_op.add_column(sa.Column("lease_token", sa.Integer(), nullable=False, server_default="0"))
+        batch_op.add_column(sa.Column("live_json", sqlmodel.sql.sqltypes.AutoString(), nullable=True))
     op.create_table(
         "workers",
         sa.Column("holder", sqlmodel.sql.sqltypes.AutoString(), nullable=False),
@@ -43,6 +44,7 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f("ix_workers_beat_ns"))
     op.drop_table("workers")
     with op.batch_alter_table("batches", schema=None) as batch_op:
+        batch_op.drop_column("live_json")
         batch_op.drop_column("lease_token")
         batch_op.drop_column("lease_expires_ns")
         batch_op.drop_column("lease_holder")
