@@ -12,6 +12,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Sequence
+from pathlib import Path
 
 from sqlalchemy.engine import Engine
 
@@ -119,8 +120,7 @@ async def end_from_checkpoint(
     elif row.status == BatchStatus.FINALIZING and status != BatchStatus.FAILED:
         status = BatchStatus.COMPLETED  # every line had its result already
     index = await _index(storage, batch_id)
-    token = lease.token if lease is not None else row.parts_token
-    sink = await _sink_at_checkpoint(storage, row, index, token)
+    sink = await _sink_at_checkpoint(storage, row, index, lease)
     if index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
         record_unfinished(sink, index, status)
         try:
@@ -131,7 +131,7 @@ async def end_from_checkpoint(
                 raise
             storage.reserve.release()
             await sink.abandon()
-            sink = await _sink_at_checkpoint(storage, row, index, token)  # back to what the checkpoint holds
+            sink = await _sink_at_checkpoint(storage, row, index, lease)  # back to what the checkpoint holds
     log.error("batch %s: ended from its last checkpoint as %s", batch_id, status)
     await publish(
         db=db,
@@ -164,11 +164,25 @@ async def _index(storage: Storage, batch_id: str) -> InputIndex | None:
         return None
 
 
-async def _sink_at_checkpoint(storage: Storage, row: BatchRow, index: InputIndex | None, token: int) -> ResultSink:
-    """Token `token`'s parts, begun from the checkpoint's, cut back to it and open again, their lines counted."""
+def own_parts(storage: Storage, row: BatchRow, lease: Lease | None) -> tuple[Path, Path]:
+    """The output and error part files a run writes: its lease's (or, run without one, the last checkpoint's)."""
+    token = lease.token if lease is not None else row.parts_token
     output, error = (storage.path(name) for name in part_names(row.id, token))
+    return output, error
+
+
+async def begin_parts(storage: Storage, row: BatchRow, parts: tuple[Path, Path]) -> None:
+    """Start a run's parts from what the last checkpoint counts in the parts it was taken in (`parts.adopt`)."""
     previous = [storage.path(name) for name in part_names(row.id, row.parts_token)]
-    await asyncio.to_thread(adopt, previous, (row.output_bytes_done, row.error_bytes_done), (output, error))
+    await asyncio.to_thread(adopt, previous, (row.output_bytes_done, row.error_bytes_done), parts)
+
+
+async def _sink_at_checkpoint(
+    storage: Storage, row: BatchRow, index: InputIndex | None, lease: Lease | None
+) -> ResultSink:
+    """The run's parts, begun from the checkpoint's, cut back to it and open again, their lines counted."""
+    output, error = own_parts(storage, row, lease)
+    await begin_parts(storage, row, (output, error))
     sink = ResultSink(output, error)
     # Without an index no line is filled in, so which position a custom_id had does not matter, only the counts.
     position_of = index.position_of if index is not None else lambda: defaultdict(int)

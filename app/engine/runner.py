@@ -23,16 +23,16 @@ from app.domain import batches
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
-from app.domain.results import Outcome, error_outcome, input_name, part_names, run_files
+from app.domain.results import Outcome, error_outcome, input_name, run_files
 from app.domain.schemas import RunStats
 from app.engine.context import Context
-from app.engine.ending import DISK_FULL, end_from_checkpoint, publish, record_unfinished
+from app.engine.ending import DISK_FULL, begin_parts, end_from_checkpoint, own_parts, publish, record_unfinished
 from app.engine.execution import run_lines
 from app.engine.feed import Turn
 from app.engine.intake import end_without_input, load_index, validate
 from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
-from app.engine.parts import Checkpoint, ResultSink, adopt
+from app.engine.parts import Checkpoint, ResultSink
 from app.engine.serving import EngineDead
 
 log = logging.getLogger("vbatch.runner")
@@ -89,9 +89,8 @@ class BatchRun:
         self.row = row
         self.index = index
         self.lease = ctx.leases.get(row.id)
-        output_part, error_part = (ctx.storage.path(name) for name in part_names(row.id, self.token))
-        self.parts = (output_part, error_part)
-        self.sink = ResultSink(output_part, error_part, ctx.metrics.result)
+        self.parts = own_parts(ctx.storage, row, self.lease)
+        self.sink = ResultSink(*self.parts, observe=ctx.metrics.result)
         self.input_path = ctx.storage.path(input_name(row.id))
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
@@ -109,15 +108,8 @@ class BatchRun:
             self.ctx.runs.pop(self.row.id, None)
             await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
-    @property
-    def token(self) -> int:
-        """Whose part files this run writes: its lease's (or, run without one, the last checkpoint's)."""
-        return self.lease.token if self.lease is not None else self.row.parts_token
-
     async def _run(self) -> None:
-        previous = [self.ctx.storage.path(name) for name in part_names(self.row.id, self.row.parts_token)]
-        lengths = (self.row.output_bytes_done, self.row.error_bytes_done)
-        await asyncio.to_thread(adopt, previous, lengths, self.parts)
+        await begin_parts(self.ctx.storage, self.row, self.parts)
         await self.sink.open(
             output_bytes=self.row.output_bytes_done,
             error_bytes=self.row.error_bytes_done,
