@@ -35,7 +35,7 @@ from app.core.db import claim_database, make_engine
 from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
-from app.core.storage import Storage, keep_private
+from app.core.storage import Storage, keep_private, open_storage
 from app.domain import batches, retention
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
 from app.engine.view import EngineView
@@ -69,7 +69,7 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
         reserve = DiskReserve(
             settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
         )
-        app.state.storage = Storage(settings.files_dir, reserve)
+        app.state.storage = open_storage(settings.storage_url, settings.files_dir, reserve)
         reserve.keep()
         # Alone, whatever nobody refers to is a crash's leftover; beside other processes only what is also old.
         sweep_storage(db=app.state.db, storage=app.state.storage, min_age_seconds=0 if alone else ORPHAN_AGE_SECONDS)

@@ -310,6 +310,58 @@ class LocalPostgres:
         self.server.cleanup()
 
 
+class LocalS3:
+    """An S3 server from PyPI (moto's server mode, a dev dependency) on a free port: tests and benches get a new
+    `s3://` prefix of its bucket from it; `environ` holds the AWS_* variables that reach it (obstore reads them)."""
+
+    BUCKET = "vbatch-test"
+
+    def __init__(self, log_path: Path, timeout: float = 60.0) -> None:
+        port = free_port()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.log = log_path.open("wb")
+        command = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.environ = {
+            "AWS_ENDPOINT_URL": self.endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "vbatch",
+            "AWS_SECRET_ACCESS_KEY": "vbatch-secret",
+            "AWS_REGION": "us-east-1",
+        }
+        self._count = 0
+        deadline = time.monotonic() + timeout
+        while True:  # the bucket is made as soon as the server answers
+            if self.process.poll() is not None:
+                raise RuntimeError(f"moto's S3 server exited with {self.process.returncode}; see {log_path}")
+            try:
+                httpx.put(f"{self.endpoint}/{self.BUCKET}", timeout=2).raise_for_status()
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"moto's S3 server did not answer in {timeout} s; see {log_path}") from None
+                time.sleep(0.1)
+
+    def new_url(self) -> str:
+        """A storage URL no one has used."""
+        self._count += 1
+        return f"s3://{self.BUCKET}/run-{os.getpid()}-{self._count}"
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            self.process.wait(timeout=30)
+        self.log.close()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def serve_fake_engine(argv: list[str] | None = None) -> None:
     """`python -m app.testing --data-dir D --port P [--role R]`: `vbatch serve`'s (or `api`'s, or `worker`'s) app and
     server options over the fake engine, settings from `VBATCH_*` as usual: tests of everything but the engine, in

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from app.testing import LocalPostgres
+from app.testing import LocalPostgres, LocalS3
 from bench.common import VbatchServer, measure, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
@@ -83,16 +83,20 @@ def vbatch_postgres_side(args: argparse.Namespace, tickets: Path, out: Path) -> 
 
 
 def vbatch_cluster_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
-    """The service split in two processes on Postgres: a `vbatch worker` with the engine, and a `vbatch api` that
-    the SDK talks to (one data directory, as on one host)."""
+    """The service split in two processes, as on two machines: a `vbatch worker` with the engine and a `vbatch api`
+    that the SDK talks to, each with a data directory of its own (scratch), sharing Postgres (pgserver) and an S3
+    store (moto's server)."""
     postgres = LocalPostgres(out / "pg-cluster")
-    env = {"VBATCH_DATABASE_URL": postgres.new_database()}
+    s3 = LocalS3(out / "vbatch_cluster-s3.log")
+    env = {"VBATCH_DATABASE_URL": postgres.new_database(), "VBATCH_STORAGE_URL": s3.new_url(), **s3.environ}
     data = out / "vbatch_cluster-data"
-    worker = VbatchServer(data, 8124, engine_flags(args), out / "vbatch_cluster-worker.log", env=env, role="worker")
+    worker = VbatchServer(
+        data / "worker", 8124, engine_flags(args), out / "vbatch_cluster-worker.log", env=env, role="worker"
+    )
     api = None
     try:
         start_s = worker.wait_ready(timeout=400)
-        api = VbatchServer(data, 8123, [], out / "vbatch_cluster-api.log", env=env, role="api")
+        api = VbatchServer(data / "api", 8123, [], out / "vbatch_cluster-api.log", env=env, role="api")
         api.wait_ready(timeout=120)
         warm_up(api.base_url, out, SERVED, SAMPLING)
         measured = measure(api, tickets, hammer=args.poll_load)
@@ -101,6 +105,7 @@ def vbatch_cluster_side(args: argparse.Namespace, tickets: Path, out: Path) -> d
         for server in (api, worker):
             if server is not None:
                 server.stop()
+        s3.stop()
         postgres.stop()
 
 

@@ -1,9 +1,11 @@
 """Shared fixtures. Unit tests run the real app on a real SQLite file with a fake engine; a module that sets
-`BACKENDS = ("sqlite", "postgres")` runs each of its tests on both databases (Postgres from PyPI's `pgserver`,
-started once per session). End-to-end tests (tests/e2e) start the real `vbatch serve` once per session."""
+`BACKENDS = ("sqlite", "postgres_s3")` runs each of its tests on both shapes: SQLite and the data directory, and
+Postgres (PyPI's `pgserver`) with an S3 store (moto's server), each started once per session ("postgres" alone:
+Postgres with the data directory). End-to-end tests (tests/e2e) start the real `vbatch serve` once per session."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +15,7 @@ from fastapi.testclient import TestClient
 from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import FakeEngine, LocalPostgres
+from app.testing import FakeEngine, LocalPostgres, LocalS3
 
 
 def pytest_generate_tests(metafunc):
@@ -26,6 +28,21 @@ def pytest_generate_tests(metafunc):
 def postgres(tmp_path_factory) -> Iterator[LocalPostgres]:
     server = LocalPostgres(tmp_path_factory.mktemp("pg"))
     yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory) -> Iterator[LocalS3]:
+    """Its AWS_* variables hold for the whole session: apps in this process and the processes tests start."""
+    server = LocalS3(tmp_path_factory.mktemp("s3") / "moto.log")
+    saved = {name: os.environ.get(name) for name in server.environ}
+    os.environ.update(server.environ)
+    yield server
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
     server.stop()
 
 
@@ -43,11 +60,18 @@ def database_url(request, backend: str) -> str | None:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, database_url: str | None) -> Settings:
+def storage_url(request, backend: str) -> str | None:
+    """None: the data directory's files."""
+    return request.getfixturevalue("s3").new_url() if backend == "postgres_s3" else None
+
+
+@pytest.fixture
+def settings(tmp_path: Path, database_url: str | None, storage_url: str | None) -> Settings:
     # A small disk reserve: every test starts an app, and each would write the default 32 MiB.
     return Settings(
         data_dir=tmp_path / "data",
         database_url=database_url,
+        storage_url=storage_url,
         completion_windows="24h,2s",
         checkpoint_seconds=0.05,
         disk_reserve_bytes=65536,

@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -12,7 +11,19 @@ import uvicorn
 from fastapi.testclient import TestClient
 
 from app.core import failpoints
+from app.core.config import Settings
+from app.core.storage import Storage, open_storage
 from app.testing import FAKE_MODEL as MODEL
+
+
+def storage_of(settings: Settings) -> Storage:
+    """The service's storage as its settings name it: the data directory's files, or the S3 store."""
+    return open_storage(settings.storage_url, settings.files_dir)
+
+
+def stored_names(settings: Settings) -> list[str]:
+    """Everything the service keeps: in the files directory, or in the S3 store and its scratch directory."""
+    return sorted(storage_of(settings).names())
 
 
 def request_line(custom_id: str, *, url: str = "/v1/chat/completions", **body_fields) -> dict:
@@ -62,12 +73,6 @@ def read_jsonl(client: TestClient, file_id: str | None) -> list[dict]:
     response = client.get(f"/v1/files/{file_id}/content")
     assert response.status_code == 200
     return [json.loads(line) for line in response.content.splitlines()]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @contextmanager

@@ -11,9 +11,19 @@ from app.domain.schemas import CreateBatchRequest
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import (
+    create_batch,
+    jsonl,
+    read_jsonl,
+    request_line,
+    storage_of,
+    stored_names,
+    upload,
+    wait_for,
+    wait_status,
+)
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 
 def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart(settings):
@@ -24,14 +34,14 @@ def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart
         batch = create_batch(client, source["id"])
         wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
         assert client.delete(f"/v1/files/{source['id']}").status_code == 200
-    assert not (settings.files_dir / source["id"]).exists()
+    assert source["id"] not in stored_names(settings)
     with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
         outputs = read_jsonl(client, done["output_file_id"])
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 10
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(10))
     # Nothing of the batch's own stays behind once it has ended: only its output file is on disk.
-    assert sorted(p.name for p in settings.files_dir.iterdir()) == [done["output_file_id"]]
+    assert stored_names(settings) == [done["output_file_id"]]
 
 
 def test_input_deleted_before_validation_fails_the_batch(client, engine_service, fake_engine):
@@ -78,7 +88,7 @@ def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
         wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
     # As a batch started by a vbatch that kept neither an index nor its own name for the input left it.
     for suffix in (".index", ".input"):
-        (settings.files_dir / f"{batch['id']}{suffix}").unlink()
+        storage_of(settings).remove_any(f"{batch['id']}{suffix}")
     resumed = FakeEngine()
     with TestClient(create_app(settings, EngineService(resumed))) as client:
         done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
@@ -108,6 +118,4 @@ def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation
         ended = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
         assert ended["status"] == "cancelled" and ended["request_counts"]["total"] == 0
     assert fake_engine.executor.calls == 0
-    assert sorted(p.name for p in client.app.state.storage.root.iterdir()) == sorted(
-        f["id"] for f in client.get("/v1/files").json()["data"]
-    )
+    assert sorted(client.app.state.storage.names()) == sorted(f["id"] for f in client.get("/v1/files").json()["data"])

@@ -6,7 +6,7 @@ import logging
 
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 BATCH_KEYS = {
     "id", "object", "endpoint", "model", "errors", "input_file_id", "completion_window", "status",

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from tests.helpers import upload
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 
 def test_upload_returns_file_object_and_exact_bytes(client):

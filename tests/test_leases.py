@@ -16,7 +16,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.db import make_engine, session_scope
-from app.core.storage import Storage
 from app.domain import batches, leases
 from app.domain.batches import Progress
 from app.domain.leases import LeaseLost
@@ -25,9 +24,19 @@ from app.domain.models import BatchRow
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine, add_running_batches
-from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import (
+    create_batch,
+    jsonl,
+    read_jsonl,
+    request_line,
+    storage_of,
+    stored_names,
+    upload,
+    wait_for,
+    wait_status,
+)
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 
 @pytest.fixture
@@ -117,13 +126,14 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
         assert frozen.wait(10)
         other = EngineService(other_engine)
         db = make_engine(settings.database)
-        asyncio.run(other.start(db=db, storage=Storage(settings.files_dir), settings=settings))
+        asyncio.run(other.start(db=db, storage=storage_of(settings), settings=settings))
         try:
             done = wait_status(client, batch["id"], {"completed"}, timeout=30)
             output = read_jsonl(client, done["output_file_id"])
             assert Counter(line["custom_id"] for line in output) == Counter(f"r{i}" for i in range(20))
             assert other_engine.executor.calls == 15  # the five checkpointed lines were not run again
             published = client.get(f"/v1/files/{done['output_file_id']}/content").content
+            wait_for(lambda: batch["id"] not in other.leases)  # its run over: nothing renews the row's lease now
             row = batches.get(db=db, batch_id=batch["id"], owner=None).model_dump()
             # The stalled service comes back, its held lines answered: it finds its lease gone and writes nothing.
             stalled_engine.executor.gate.set()
@@ -132,7 +142,7 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
             wait_for(lambda: batch["id"] not in stalled.leases and stalled.live_stats(batch["id"]) is None)
             assert client.get(f"/v1/batches/{batch['id']}").json() == done
             assert batches.get(db=db, batch_id=batch["id"], owner=None).model_dump() == row
-            assert not list(settings.files_dir.glob(f"{batch['id']}.*"))  # both runs' parts went with the batch
+            assert not [name for name in stored_names(settings) if name.startswith(batch["id"])]  # both runs' parts
             assert client.get(f"/v1/files/{done['output_file_id']}/content").content == published
         finally:
             thawed.set()

@@ -14,8 +14,8 @@ from pathlib import Path
 import httpx
 import psutil
 
-from app.testing import VbatchServer
-from tests.helpers import free_port, jsonl, request_line
+from app.testing import VbatchServer, free_port
+from tests.helpers import jsonl, request_line
 
 UPLOADS = 50
 UPLOAD_BYTES = 5 * 1024 * 1024

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import httpx
 
-from app.testing import VbatchServer
-from tests.helpers import free_port, jsonl, request_line, wait_for
+from app.testing import VbatchServer, free_port
+from tests.helpers import jsonl, request_line, wait_for
 
 KEY = "sk-log-test-key-7f3a"
 PROMPT_MARKER = "PROMPT-MARKER-91c2"

@@ -10,7 +10,7 @@ from app.engine.service import EngineService
 from app.main import create_app
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 FINAL = {"completed", "failed", "cancelled", "expired"}
 

@@ -3,6 +3,7 @@ re-running what had finished and without writing any custom_id twice."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 
@@ -11,9 +12,19 @@ from fastapi.testclient import TestClient
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import (
+    create_batch,
+    jsonl,
+    read_jsonl,
+    request_line,
+    storage_of,
+    stored_names,
+    upload,
+    wait_for,
+    wait_status,
+)
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 
 def test_restart_resumes_without_rerunning_finished_lines(settings):
@@ -73,10 +84,9 @@ def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engi
 def test_start_sweeps_what_a_crash_left_and_keeps_the_rest(settings):
     with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         kept = upload(client, jsonl([request_line("a")]))
-    files_dir = settings.files_dir
-    debris = [".file-torn.upload", "file-neverrecorded", "batch_gone.output.part"]
-    for name in debris:
-        (files_dir / name).write_bytes(b"{}\n")
+    (settings.files_dir / ".file-torn.upload").write_bytes(b"{}\n")
+    for name in ["file-neverrecorded", "batch_gone.output.part"]:
+        asyncio.run(storage_of(settings).save_bytes(name, b"{}\n"))
     with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         assert client.get(f"/v1/files/{kept['id']}/content").content == jsonl([request_line("a")])
-    assert sorted(p.name for p in files_dir.iterdir()) == [kept["id"]]
+    assert stored_names(settings) == [kept["id"]]

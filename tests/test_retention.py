@@ -6,9 +6,9 @@ import asyncio
 
 from app.core import clock
 from app.domain import retention
-from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import create_batch, jsonl, request_line, stored_names, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 HOUR = 3600
 FINAL = {"completed", "failed", "cancelled", "expired"}
@@ -43,7 +43,7 @@ def test_expired_files_go_from_disk_and_database_and_an_active_batchs_input_stay
     assert set(retention.expired_files(db=db, now=later)) == {short["id"], done["output_file_id"]}
     removed = asyncio.run(retention.sweep(db=db, storage=storage, now=later, keep_events_seconds=0))
     assert removed == 2
-    on_disk = {p.name for p in settings.files_dir.iterdir()}
+    on_disk = set(stored_names(settings))
     assert short["id"] not in on_disk and done["output_file_id"] not in on_disk
     assert {in_use["id"], kept["id"]} <= on_disk
     assert any(name.startswith(active["id"]) for name in on_disk)  # the running batch's own files are untouched
@@ -67,4 +67,4 @@ def test_the_periodic_sweeper_runs_on_its_own(settings, fake_engine, monkeypatch
         short = upload_expiring(client, jsonl([request_line("s")]), HOUR)
         real_now = clock.now
         monkeypatch.setattr(clock, "now", lambda: real_now() + 2 * HOUR)
-        wait_for(lambda: not (settings.files_dir / short["id"]).exists())
+        wait_for(lambda: short["id"] not in stored_names(settings))

@@ -20,23 +20,28 @@ from app.core.db import make_engine
 from app.domain import batches
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import FakeEngine, VbatchServer
-from tests.helpers import free_port, jsonl, request_line, wait_for
+from app.testing import FakeEngine, VbatchServer, free_port
+from tests.helpers import jsonl, request_line, wait_for
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 LEASE_SECONDS = 3
 
 
 class Cluster:
-    def __init__(self, base: Path, database_url: str | None) -> None:
+    """With an S3 store each process has a data directory of its own (scratch), as on machines of their own;
+    without, they share one (the files)."""
+
+    def __init__(self, base: Path, database_url: str | None, storage_url: str | None) -> None:
         self.data_dir = base / "data"
         self.base = base
+        self.storage_url = storage_url
         self.env = {
             "VBATCH_LEASE_SECONDS": str(LEASE_SECONDS),
             "VBATCH_CHECKPOINT_SECONDS": "0.1",
             "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.02",
             "VBATCH_COMPLETION_WINDOWS": "24h,3s",
             **({"VBATCH_DATABASE_URL": database_url} if database_url else {}),
+            **({"VBATCH_STORAGE_URL": storage_url} if storage_url else {}),
         }
         self.settings = Settings(data_dir=self.data_dir, database_url=database_url)
         self.workers: list[VbatchServer] = []
@@ -44,8 +49,9 @@ class Cluster:
 
     def start(self, role: str) -> VbatchServer:
         name = f"{role}{len(self.workers) + len(self.apis)}"
+        data_dir = self.base / name / "data" if self.storage_url else self.data_dir
         server = VbatchServer(
-            self.data_dir, free_port(), [], self.base / f"{name}.log", env=self.env, fake_engine=True, role=role
+            data_dir, free_port(), [], self.base / f"{name}.log", env=self.env, fake_engine=True, role=role
         )
         (self.workers if role == "worker" else self.apis).append(server)
         return server
@@ -75,8 +81,8 @@ class Cluster:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, database_url: str | None) -> Iterator[Cluster]:
-    running = Cluster(tmp_path, database_url)
+def cluster(tmp_path: Path, database_url: str | None, storage_url: str | None) -> Iterator[Cluster]:
+    running = Cluster(tmp_path, database_url, storage_url)
     try:
         running.start("worker").wait_ready(timeout=120)  # the first migrates the database; the rest find it done
         for server in [running.start("worker"), running.start("worker"), running.start("api"), running.start("api")]:
@@ -160,7 +166,8 @@ def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(c
     try:
         batch = ended(client, stalled_batch)
         published = client.files.content(batch.output_file_id).content
-        row = cluster.row(stalled_batch)
+        # The worker that finished it ends its lease once its run files are gone: nothing writes the row after that.
+        row = wait_for(lambda: (found := cluster.row(stalled_batch))["lease_expires_ns"] is None and found)
     finally:
         os.killpg(stalled.process.pid, signal.SIGCONT)
     wait_for(lambda: "its lease passed to another service" in stalled.log_path.read_text())

@@ -17,7 +17,7 @@ from app.core.migrate import upgrade_to_head
 ROOT = Path(__file__).resolve().parent.parent
 
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 
 def test_migrations_reach_the_models(settings):

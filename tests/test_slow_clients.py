@@ -14,8 +14,8 @@ from app.cli import server_options
 from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import FakeEngine
-from tests.helpers import free_port, jsonl, request_line, serving, wait_for
+from app.testing import FakeEngine, free_port
+from tests.helpers import jsonl, request_line, serving, wait_for
 
 BOUNDARY = "vbatchboundary"
 

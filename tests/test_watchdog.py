@@ -4,6 +4,7 @@ input and a late cancel: `test_batch_endings.py`.)"""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 from fastapi.testclient import TestClient
@@ -11,9 +12,19 @@ from fastapi.testclient import TestClient
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import (
+    create_batch,
+    jsonl,
+    read_jsonl,
+    request_line,
+    storage_of,
+    stored_names,
+    upload,
+    wait_for,
+    wait_status,
+)
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 FINAL = {"completed", "failed", "cancelled", "expired"}
 GRACE = 1.0
@@ -48,11 +59,11 @@ def test_a_batch_whose_run_keeps_failing_is_ended_with_what_its_checkpoint_holds
         batch = create_batch(client, source["id"], completion_window="2s")
         wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
     # Its index torn (a bad disk, an operator's mistake): every run of it from now on raises.
-    (settings.files_dir / f"{batch['id']}.index").write_bytes(b"\x00garbage")
+    asyncio.run(storage_of(settings).save_bytes(f"{batch['id']}.index", b"\x00garbage"))
     with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
         ended = wait_status(client, batch["id"], FINAL, timeout=2 + GRACE + 10)
         assert ended["status"] == "expired"
         assert ended["request_counts"] == {"total": 6, "completed": 2, "failed": 0}
         assert len(read_jsonl(client, ended["output_file_id"])) == 2
         assert client.get("/health").status_code == 200
-    assert not [p for p in settings.files_dir.iterdir() if p.name.startswith(batch["id"])]
+    assert not [name for name in stored_names(settings) if name.startswith(batch["id"])]

@@ -22,11 +22,11 @@ from starlette.routing import Route
 
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import VbatchServer
-from tests.helpers import create_batch, free_port, jsonl, request_line, serving, upload, wait_for, wait_status
+from app.testing import VbatchServer, free_port
+from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
 from tests.test_metrics import scrape
 
-BACKENDS = ("sqlite", "postgres")
+BACKENDS = ("sqlite", "postgres_s3")
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 FINAL = {"completed", "failed", "cancelled", "expired"}

@@ -243,7 +243,7 @@ async def upload(
     """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
     row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
     limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
-    report = await asyncio.to_thread(validate_file, storage.path(row.id), limits)
+    report = await asyncio.to_thread(validate_file, await storage.local_path(row.id), limits)
     problems = [error.model_dump() for error in report.errors]
     return JSONResponse(
         {

@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     # SQLAlchemy URL of the database: unset, the SQLite file `vbatch.db` in the data directory; for Postgres,
     # `postgresql+psycopg://user:password@host/dbname`.
     database_url: str | None = None
+    # Where uploads and results are kept: unset, `files/` in the data directory; `s3://bucket/prefix` for an
+    # S3-compatible store (credentials, region and endpoint from the usual AWS_* variables), the data directory then
+    # holding only scratch (part files as they are written, local copies of inputs being run).
+    storage_url: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys, comma-separated and/or one a line in a file. With none, vbatch serves loopback only.

@@ -1,4 +1,5 @@
-"""Every byte vbatch keeps on disk goes through here. Paths come from ids we generate, never from requests."""
+"""Every byte vbatch keeps goes through here: in the data directory (`Storage`), or in an S3-compatible store with the
+directory as scratch (`app.core.object_storage`). Names come from ids we generate, never from requests."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import contextlib
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiofiles
@@ -21,6 +22,21 @@ CHUNK_BYTES = 1 << 20
 
 class UploadTooLarge(Exception):
     pass
+
+
+# Called at each checkpoint with the output and error part files' new lengths and the bytes just appended to reach
+# them, once durable on the local disk and before the database commits them: an object store gets the new bytes as
+# segments (`app.core.object_storage`).
+ShipParts = Callable[[tuple[int, bytes], tuple[int, bytes]], Awaitable[None]]
+
+
+def open_storage(url: str | None, root: Path, reserve: DiskReserve | None = None) -> Storage:
+    """The data directory's files (`url` None), or the S3-compatible store at `url` with `root` as scratch."""
+    if url is None:
+        return Storage(root, reserve)
+    from app.core.object_storage import ObjectStorage
+
+    return ObjectStorage(url, root, reserve)
 
 
 class Storage:
@@ -106,12 +122,35 @@ class Storage:
     def open_appender(self, name: str) -> ResultAppender:
         return ResultAppender(self.path(name))
 
-    async def link(self, existing: str, new: str) -> None:
-        """A second name for the same bytes (replacing whatever had that name): publishing a result file keeps its
-        part file until SQLite commits; a batch keeps its input whatever happens to the input's file object."""
+    async def copy(self, existing: str, new: str) -> None:
+        """A second name for the same bytes (replacing whatever had that name): a batch keeps its input whatever
+        happens to the input's file object. Here a hard link: stored bytes never change."""
+        await self._link(self.path(existing), new)
+
+    async def publish(self, part: Path, name: str) -> None:
+        """A finished part file (in `root`) stored as `name`: the part stays until the database commits the file."""
+        await self._link(part, name)
+
+    async def _link(self, existing: Path, new: str) -> None:
         self.path(new).unlink(missing_ok=True)
-        await aiofiles.os.link(self.path(existing), self.path(new))
+        await aiofiles.os.link(existing, self.path(new))
         _fsync_dir(self.root)
+
+    async def local_path(self, name: str) -> Path:
+        """A path to read the stored bytes of `name` from (FileNotFoundError, when opened, if there are none)."""
+        return self.path(name)
+
+    async def begin_parts(
+        self, previous: Sequence[str], lengths: Sequence[int], own: Sequence[Path]
+    ) -> ShipParts | None:
+        """Start a run's own part files from the first `lengths` bytes of the `previous` run's (its checkpoint's);
+        what to call at each checkpoint, if anything, to keep them beyond this disk."""
+        await asyncio.to_thread(adopt, [self.path(name) for name in previous], lengths, own)
+        return None
+
+    async def open_part(self, name: str, length: int) -> tuple[AsyncIterator[bytes], int] | None:
+        """The first `length` bytes of a running batch's part file, as its last checkpoint committed them."""
+        return await self.open_prefix(name, length)
 
     def names(self) -> list[str]:
         """Everything in the directory, temporary uploads included."""
@@ -146,6 +185,23 @@ class Storage:
         free = self.free_bytes()
         if not self.reserve.held or free - size < self.reserve.keep_free:
             raise DiskFull(f"{free} bytes free")
+
+
+def adopt(previous: Sequence[Path], lengths: Sequence[int], own: Sequence[Path]) -> None:
+    """A run that took a batch over starts its own part files from what the previous run's checkpoint counts: the
+    previous run may still be alive (stalled past its lease), and it must not write into the files this run keeps."""
+    for old, length, new in zip(previous, lengths, own, strict=True):
+        if old == new or new.exists() or not old.exists():
+            continue
+        partial = new.with_name(f".{new.name}.adopt")
+        with old.open("rb") as src, partial.open("wb") as dst:
+            left = length
+            while left > 0 and (chunk := src.read(min(CHUNK_BYTES, left))):
+                dst.write(chunk)
+                left -= len(chunk)
+            dst.flush()
+            os.fsync(dst.fileno())
+        partial.replace(new)
 
 
 def keep_private(data_dir: Path) -> None:

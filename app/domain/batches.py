@@ -199,7 +199,10 @@ def get(*, db: Engine, batch_id: str, owner: str | None) -> BatchRow:
 
 
 def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
-    """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run."""
+    """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run (its
+    run may still be removing its run files, its numbers not yet dropped)."""
+    if row.status in TERMINAL:
+        live = None
     timeline = live.timeline if live else (json.loads(row.timeline_json) if row.timeline_json else None)
     series = live.series if live else (json.loads(row.series_json) if row.series_json else [])
     return BatchProgress(

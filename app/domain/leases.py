@@ -99,6 +99,18 @@ def release(*, db: Engine, lease: Lease) -> None:
         session.commit()
 
 
+def end(*, db: Engine, lease: Lease) -> None:
+    """The batch has ended under `lease`: nothing renews it from now on, and the row keeps who ran it last."""
+    with write_scope(db) as session:
+        statement = (
+            update(BatchRow)
+            .where(col(BatchRow.id) == lease.batch_id, col(BatchRow.lease_token) == lease.token)
+            .values(lease_expires_ns=None)
+        )
+        session.exec(statement)  # type: ignore[call-overload]
+        session.commit()
+
+
 def holder_name() -> str:
     """A name for one service in one process: its host, its process (pid and start time, so that a reused pid is
     another process), and a tag (two services in one process are two holders)."""

@@ -39,7 +39,7 @@ async def open_partial(
         else:
             part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
             done = row.output_bytes_done if kind == "output" else row.error_bytes_done
-            opened = await storage.open_prefix(part, done)
+            opened = await storage.open_part(part, done)
             if opened is None and done == 0:
                 return _nothing(), 0
         if opened is not None:

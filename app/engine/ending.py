@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from sqlalchemy.engine import Engine
 
@@ -28,7 +29,7 @@ from app.domain.lifecycle import TERMINAL, BatchStatus
 from app.domain.models import BatchRow, FileRow
 from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome, index_name, part_names, run_files
 from app.domain.schemas import BatchError
-from app.engine.parts import ResultSink, adopt
+from app.engine.parts import ResultSink
 
 log = logging.getLogger("vbatch.runner")
 
@@ -70,11 +71,26 @@ async def publish(
         errors=errors,
         lease=lease,
     )
-    for name in run_files(row.id, row.lease_token):
-        await storage.delete(name)
+    await _unstoppable(_delete_all(storage, run_files(row.id, row.lease_token)))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": row.id, "event": f"batch.{status}", **done}
     log.info("batch %s: %s, %d completed, %d failed", row.id, status, done["completed"], done["failed"], extra=fields)
+
+
+async def _delete_all(storage: Storage, names: Sequence[str]) -> None:
+    for name in names:
+        await storage.delete(name)
+
+
+async def _unstoppable(work: Coroutine[Any, Any, None]) -> None:
+    """Run `work` to its end even if the run is cancelled meanwhile (a stop): after the batch has ended, its run
+    files are a few deletes (requests, on an object store) from gone; left, they would wait for the next start."""
+    task = asyncio.ensure_future(work)
+    try:
+        await asyncio.shield(task)
+    except asyncio.CancelledError:
+        await task
+        raise
 
 
 async def _result_file(
@@ -83,7 +99,7 @@ async def _result_file(
     if appender.lines == 0:
         return None
     file_id = new_id("file-")
-    await storage.link(appender.path.name, file_id)
+    await storage.publish(appender.path, file_id)
     created = clock.now()
     ttl = row.output_expires_after_seconds or settings.output_file_ttl_seconds
     return FileRow(
@@ -171,20 +187,22 @@ def own_parts(storage: Storage, row: BatchRow, lease: Lease | None) -> tuple[Pat
     return output, error
 
 
-async def begin_parts(storage: Storage, row: BatchRow, parts: tuple[Path, Path]) -> None:
-    """Start a run's parts from what the last checkpoint counts in the parts it was taken in (`parts.adopt`)."""
-    previous = [storage.path(name) for name in part_names(row.id, row.parts_token)]
-    await asyncio.to_thread(adopt, previous, (row.output_bytes_done, row.error_bytes_done), parts)
+async def begin_parts(
+    storage: Storage, row: BatchRow, sink: ResultSink, position_of: Callable[[], dict[str, int]]
+) -> None:
+    """Start a run's parts from what the last checkpoint counts in the parts it was taken in (`Storage.begin_parts`),
+    and open them, cut back to it, their lines counted."""
+    previous = part_names(row.id, row.parts_token)
+    own = (sink.output.path, sink.errors.path)
+    sink.ship = await storage.begin_parts(previous, (row.output_bytes_done, row.error_bytes_done), own)
+    await sink.open(output_bytes=row.output_bytes_done, error_bytes=row.error_bytes_done, position_of=position_of)
 
 
 async def _sink_at_checkpoint(
     storage: Storage, row: BatchRow, index: InputIndex | None, lease: Lease | None
 ) -> ResultSink:
     """The run's parts, begun from the checkpoint's, cut back to it and open again, their lines counted."""
-    output, error = own_parts(storage, row, lease)
-    await begin_parts(storage, row, (output, error))
-    sink = ResultSink(output, error)
+    sink = ResultSink(*own_parts(storage, row, lease))
     # Without an index no line is filled in, so which position a custom_id had does not matter, only the counts.
-    position_of = index.position_of if index is not None else lambda: defaultdict(int)
-    await sink.open(output_bytes=row.output_bytes_done, error_bytes=row.error_bytes_done, position_of=position_of)
+    await begin_parts(storage, row, sink, index.position_of if index is not None else lambda: defaultdict(int))
     return sink

@@ -89,8 +89,9 @@ async def load_index(ctx: Context, row: BatchRow) -> InputIndex:
 async def _read_input(ctx: Context, row: BatchRow, source_id: str | None) -> Report:
     """Validate (and index) the batch's own name for its input, first linking it to `source_id` if given."""
     if source_id is not None:
-        await ctx.storage.link(source_id, input_name(row.id))
-    return await asyncio.to_thread(validate_file, ctx.storage.path(input_name(row.id)), _limits(ctx, row))
+        await ctx.storage.copy(source_id, input_name(row.id))
+    path = await ctx.storage.local_path(input_name(row.id))
+    return await asyncio.to_thread(validate_file, path, _limits(ctx, row))
 
 
 def end_without_input(ctx: Context, row: BatchRow) -> None:

@@ -12,11 +12,11 @@ import asyncio
 import json
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from app.core.storage import ResultAppender
+from app.core.storage import ResultAppender, ShipParts
 from app.domain.batches import Progress
 from app.domain.results import Outcome, add_usage, line_for
 
@@ -43,6 +43,8 @@ class ResultSink:
         self.errors = ResultAppender(errors)
         self.progress = Progress()
         self.done: set[int] = set()  # positions in the input index
+        # Set by whoever began the part files (`Storage.begin_parts`) when they must reach a store beyond this disk.
+        self.ship: ShipParts | None = None
         self._checkpointing = asyncio.Lock()
 
     async def open(
@@ -96,6 +98,8 @@ class ResultSink:
             output, errors = self.output.take(), self.errors.take()
             await self.output.write(output, durable=True)
             await self.errors.write(errors, durable=True)
+            if self.ship is not None:
+                await self.ship((self.output.bytes, output), (self.errors.bytes, errors))
             if save is not None:
                 await asyncio.to_thread(save, Checkpoint(progress, self.output.bytes, self.errors.bytes))
 
@@ -108,23 +112,6 @@ class ResultSink:
         """Close both files dropping what was not written (a full disk): the checkpoint is what counts."""
         await self.output.abandon()
         await self.errors.abandon()
-
-
-def adopt(previous: Sequence[Path], lengths: Sequence[int], own: Sequence[Path]) -> None:
-    """A run that took a batch over starts its own part files from what the previous run's checkpoint counts: the
-    previous run may still be alive (stalled past its lease), and it must not write into the files this run keeps."""
-    for old, length, new in zip(previous, lengths, own, strict=True):
-        if old == new or new.exists() or not old.exists():
-            continue
-        partial = new.with_name(f".{new.name}.adopt")
-        with old.open("rb") as src, partial.open("wb") as dst:
-            left = length
-            while left > 0 and (chunk := src.read(min(1 << 20, left))):
-                dst.write(chunk)
-                left -= len(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-        partial.replace(new)
 
 
 def cut_back(path: Path, length: int | None) -> None:

@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 
 from app.core import clock, failpoints
 from app.core.disk import is_disk_full
-from app.domain import batches
+from app.domain import batches, leases
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
@@ -77,10 +77,10 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
             end_without_input(ctx, row)
             return
         await BatchRun(ctx, row, index).run()
-    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
-        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
+    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line: its run files are not needed
         for name in run_files(row.id, row.lease_token):
             await ctx.storage.delete(name)
+        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
 
 
 class BatchRun:
@@ -89,9 +89,8 @@ class BatchRun:
         self.row = row
         self.index = index
         self.lease = ctx.leases.get(row.id)
-        self.parts = own_parts(ctx.storage, row, self.lease)
-        self.sink = ResultSink(*self.parts, observe=ctx.metrics.result)
-        self.input_path = ctx.storage.path(input_name(row.id))
+        self.sink = ResultSink(*own_parts(ctx.storage, row, self.lease), observe=ctx.metrics.result)
+        self.input_path = ctx.storage.path(input_name(row.id))  # or its local copy, once the run begins
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
         self.last_log = time.monotonic()
@@ -109,12 +108,8 @@ class BatchRun:
             await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
     async def _run(self) -> None:
-        await begin_parts(self.ctx.storage, self.row, self.parts)
-        await self.sink.open(
-            output_bytes=self.row.output_bytes_done,
-            error_bytes=self.row.error_bytes_done,
-            position_of=self.index.position_of,
-        )
+        self.input_path = await self.ctx.storage.local_path(input_name(self.row.id))
+        await begin_parts(self.ctx.storage, self.row, self.sink, self.index.position_of)
         if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
             await self._finish(BatchStatus.COMPLETED)
             return
@@ -137,6 +132,8 @@ class BatchRun:
     async def _checkpoint(self) -> None:
         # With the disk full, results stop here: the room left is for the database to end the batch.
         self.ctx.storage.check_room()
+        if self.sink.ship is not None:  # segments are written before their commit: not by a run that lost its lease
+            leases.check(batches.get(db=self.ctx.db, batch_id=self.row.id, owner=None), self.lease)
         with self.ctx.metrics.checkpoint_seconds.time():
             await self.sink.checkpoint(self._save)
 

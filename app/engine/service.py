@@ -295,7 +295,7 @@ class EngineService:
         rows = [row for row in batches.active(db=db) if row.id in self.leases]
         active = {row.id for row in rows}
         for batch_id in [b for b in self.leases if b not in active and b not in self._running]:
-            del self.leases[batch_id]  # it ended
+            leases.end(db=db, lease=self.leases.pop(batch_id))
         return rows
 
     async def _beat(self, db: Engine) -> None:

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, expect
 
-from app.testing import VbatchServer
+from app.testing import VbatchServer, free_port
 from tests.browser_harness import DESKTOP, PHONE, browser, screenshot  # noqa: F401 - browser is a fixture
-from tests.helpers import free_port, holding, jsonl, request_line
+from tests.helpers import holding, jsonl, request_line
 
 KEY_A, KEY_B = "sk-browser-a-0123456789", "sk-browser-b-9876543210"
 WAIT_MS = 30_000

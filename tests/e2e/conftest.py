@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import secrets
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 from openai import OpenAI
 
 from app.engine import default_model
-from app.testing import VbatchServer
+from app.testing import VbatchServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model.NAME
@@ -38,12 +37,6 @@ def engine_flags(model_path: Path) -> list[str]:
     # Eager mode: the same speed on these CPUs and no two-minute compile at each start. One front end (the default
     # on 2 cores); tests/e2e/test_crash_recovery.py runs the engine behind two as well.
     return ["--model", str(model_path), "--served-model-name", MODEL, "--enforce-eager", "--max-model-len", "2048"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="session")

@@ -20,8 +20,8 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from app.testing import VbatchServer
-from tests.e2e.conftest import MODEL, engine_flags, free_port
+from app.testing import VbatchServer, free_port
+from tests.e2e.conftest import MODEL, engine_flags
 from tests.helpers import holding, wait_for
 
 STARTUP_SECONDS = 900
