@@ -25,6 +25,7 @@ from tests.helpers import jsonl, request_line, wait_for
 
 BACKENDS = ("sqlite", "postgres_s3")
 LEASE_SECONDS = 3
+SHARD_LINES = 500  # the 1,200-line batch below runs as three shards, the 3,000-line ones as six, the others whole
 
 
 class Cluster:
@@ -40,6 +41,7 @@ class Cluster:
             "VBATCH_CHECKPOINT_SECONDS": "0.1",
             "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.02",
             "VBATCH_COMPLETION_WINDOWS": "24h,3s",
+            "VBATCH_SHARD_LINES": str(SHARD_LINES),
             **({"VBATCH_DATABASE_URL": database_url} if database_url else {}),
             **({"VBATCH_STORAGE_URL": storage_url} if storage_url else {}),
         }
@@ -146,6 +148,37 @@ def test_replicas_and_workers_share_batches_and_answer_each_line_once(cluster, t
         assert answers(clients[n % 2], batch.output_file_id) == single_process_answers(tmp_path / f"b{n}", f"b{n}", 40)
         holders.add(cluster.row(batch_id)["lease_holder"])
     assert len(holders) >= 2  # the batches were shared out
+
+
+def test_workers_share_one_large_batch_in_shards_and_a_cancel_reaches_them_all(cluster, tmp_path):
+    client = sdk(cluster.apis[0])
+    large = submit(client, tmp_path, "large", 1200)
+    batch = ended(client, large)
+    assert batch.status == "completed" and batch.request_counts.completed == 1200
+    assert answers(client, batch.output_file_id) == single_process_answers(tmp_path / "large", "large", 1200)
+    assert [b.id for b in client.batches.list()] == [large]  # its shards list nowhere, and are gone
+    assert {f.id for f in client.files.list()} >= {batch.output_file_id}
+    assert not [f for f in client.files.list() if f.filename.startswith("batch_") and f.id != batch.output_file_id]
+    cut = [w for w in cluster.workers if "1200 requests in 3 shards" in w.log_path.read_text()]
+    assert len(cut) == 1
+    shard_ends = ("completed, 500 completed", "completed, 200 completed")
+    ran = [w for w in cluster.workers if any(end in w.log_path.read_text() for end in shard_ends)]
+    assert len(ran) >= 2  # shards ran on more than one worker
+
+    cancelled = submit(client, tmp_path, "cancelled", 3000)
+    wait_for(lambda: client.batches.retrieve(cancelled).request_counts.completed >= 50)
+    client.batches.cancel(cancelled)
+    batch = ended(client, cancelled)
+    assert batch.status == "cancelled"
+    done = {**answers(client, batch.output_file_id), **answers_or_errors(client, batch.error_file_id)}
+    assert done.keys() == {f"cancelled-{i}" for i in range(3000)}  # every line once: a result or its cancel error
+    assert batch.request_counts.completed + batch.request_counts.failed == 3000
+
+
+def answers_or_errors(client: OpenAI, file_id: str | None) -> dict[str, dict]:
+    lines = [json.loads(line) for line in client.files.content(file_id).content.splitlines()] if file_id else []
+    assert len({line["custom_id"] for line in lines}) == len(lines), "a custom_id answered twice"
+    return {line["custom_id"]: line["error"] for line in lines}
 
 
 def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(cluster, tmp_path):

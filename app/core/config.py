@@ -61,6 +61,10 @@ class Settings(BaseSettings):
     # Batches a `vbatch worker` holds at once (the one feeding its engine and the next): the rest wait in the database
     # for whichever worker has room. `vbatch serve`, alone, holds every active batch.
     worker_batches: int = 2
+    # A `vbatch worker` cuts a batch of more lines than this into shards of about this many (on shared-prefix group
+    # boundaries), which any worker may claim: several workers share one large batch. 0: never. `vbatch serve`,
+    # alone with its engine, never does.
+    shard_lines: int = 5000
     # Times a line may kill the engine while running alone before it goes to the error file.
     engine_deaths_per_line: int = 2
     # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.

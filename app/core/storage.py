@@ -248,6 +248,11 @@ class ResultAppender:
         self._buffer.append(line)
         self.lines += 1
 
+    def add_lines(self, data: bytes) -> None:
+        """Whole lines at once (a shard's result file joined into its parent's)."""
+        self._buffer.append(data)
+        self.lines += data.count(b"\n")
+
     def take(self) -> bytes:
         data = b"".join(self._buffer)
         self._buffer.clear()

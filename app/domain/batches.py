@@ -184,18 +184,35 @@ def _check_active_count(session, *, owner: str, max_active: int) -> None:
     if max_active <= 0:
         return
     statement = (
-        select(func.count()).select_from(BatchRow).where(BatchRow.owner == owner, BatchRow.status.in_(ACTIVE))  # type: ignore[attr-defined]
+        select(func.count())
+        .select_from(BatchRow)
+        .where(BatchRow.owner == owner, col(BatchRow.status).in_(ACTIVE), col(BatchRow.parent_id).is_(None))
     )
     if session.exec(statement).one() >= max_active:
         raise TooManyActive(max_active)
 
 
 def get(*, db: Engine, batch_id: str, owner: str | None) -> BatchRow:
+    """A client (`owner` set) sees its own batches, never their shards; the engine (None) sees every row."""
     with session_scope(db) as session:
         row = session.get(BatchRow, batch_id)
-    if row is None or not visible(row.owner, owner):
+    if row is None or not visible(row.owner, owner) or (owner is not None and row.parent_id is not None):
         raise NotFound("Batch", batch_id)
     return row
+
+
+def shards_of(*, db: Engine, batch_id: str) -> list[BatchRow]:
+    with session_scope(db) as session:
+        statement = select(BatchRow).where(col(BatchRow.parent_id) == batch_id).order_by(col(BatchRow.shard))
+        return list(session.exec(statement).all())
+
+
+def forget(*, db: Engine, batch_ids: Sequence[str]) -> None:
+    """Remove rows no client sees (a parent's shards, once it has ended with their results)."""
+    with write_scope(db) as session:
+        for row in session.exec(select(BatchRow).where(col(BatchRow.id).in_(batch_ids))).all():
+            session.delete(row)
+        session.commit()
 
 
 def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
@@ -221,7 +238,7 @@ def list_batches(
     *, db: Engine, owner: str, limit: int, after: str | None, status: BatchStatus | None = None
 ) -> BatchList:
     """Newest first; `status` narrows it (the console's filter; OpenAI's list has none)."""
-    filters = [] if status is None else [col(BatchRow.status) == status]
+    filters = [col(BatchRow.parent_id).is_(None)] + ([] if status is None else [col(BatchRow.status) == status])
     with session_scope(db) as session:
         rows, has_more = page(
             session, BatchRow, owner=owner, filters=filters, limit=limit, after=after, descending=True
@@ -240,9 +257,27 @@ def transition(*, db: Engine, batch_id: str, to: BatchStatus, lease: Lease | Non
     return _move(db=db, batch_id=batch_id, to=to, lease=lease)
 
 
-def start(*, db: Engine, batch_id: str, total: int, model: str | None, lease: Lease | None = None) -> BatchRow:
-    """Validated: the batch runs `total` requests for `model`."""
-    return _move(db=db, batch_id=batch_id, to=BatchStatus.IN_PROGRESS, lease=lease, total=total, model=model)
+def start(
+    *,
+    db: Engine,
+    batch_id: str,
+    total: int,
+    model: str | None,
+    lease: Lease | None = None,
+    shards: Sequence[BatchRow] = (),
+) -> BatchRow:
+    """Validated: the batch runs `total` requests for `model`, itself or, with `shards`, through them (created in the
+    same transaction)."""
+    return _move(
+        db=db,
+        batch_id=batch_id,
+        to=BatchStatus.IN_PROGRESS,
+        lease=lease,
+        new_rows=shards,
+        total=total,
+        model=model,
+        shards=len(shards),
+    )
 
 
 def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError], lease: Lease | None = None) -> BatchRow:
@@ -271,7 +306,7 @@ def publish(
         batch_id=batch_id,
         to=to,
         lease=lease,
-        new_files=[row for row in (output, error) if row is not None],
+        new_rows=[row for row in (output, error) if row is not None],
         output_file_id=output.id if output else None,
         error_file_id=error.id if error else None,
         timeline_json=json.dumps(timeline),
@@ -288,11 +323,11 @@ def _move(
     batch_id: str,
     to: BatchStatus,
     lease: Lease | None = None,
-    new_files: Sequence[FileRow] = (),
+    new_rows: Sequence[FileRow | BatchRow] = (),
     **fields: object,
 ) -> BatchRow:
     with write_scope(db) as session:
-        session.add_all(new_files)
+        session.add_all(new_rows)
         row = session.get(BatchRow, batch_id, with_for_update=True)
         if row is None:
             raise NotFound("Batch", batch_id)
@@ -304,7 +339,7 @@ def _move(
         for name, value in fields.items():
             setattr(row, name, value)
         session.add(row)
-        if to in TERMINAL:
+        if to in TERMINAL and row.parent_id is None:  # a shard's end is no event: its parent's is
             session.add(events.for_batch(row, now=now))
         session.commit()
     return row
@@ -381,7 +416,9 @@ def active(*, db: Engine) -> list[BatchRow]:
 
 def count_by_status(*, db: Engine) -> dict[str, int]:
     with session_scope(db) as session:
-        statement = select(BatchRow.status, func.count()).group_by(BatchRow.status)
+        statement = (
+            select(BatchRow.status, func.count()).where(col(BatchRow.parent_id).is_(None)).group_by(BatchRow.status)
+        )
         return {str(status): count for status, count in session.exec(statement).all()}
 
 
@@ -389,5 +426,5 @@ def lines_waiting(*, db: Engine) -> int:
     """Lines of active batches without a result yet (validated ones: before validation the count is unknown)."""
     with session_scope(db) as session:
         waiting = func.coalesce(func.sum(BatchRow.total - BatchRow.completed - BatchRow.failed), 0)
-        statement = select(waiting).where(col(BatchRow.status).in_(ACTIVE))
+        statement = select(waiting).where(col(BatchRow.status).in_(ACTIVE), col(BatchRow.parent_id).is_(None))
         return int(session.exec(statement).one())

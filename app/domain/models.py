@@ -73,6 +73,11 @@ class BatchRow(SQLModel, table=True):
     lease_holder: str | None = None
     lease_expires_ns: int | None = Field(default=None, sa_type=BigInteger)
     lease_token: int = 0
+    # A large batch that workers share is cut into shards (`app.engine.shards`): hidden batches of its lines, each
+    # with `parent_id` and its place (`shard`) in the parent's planned order; the parent counts its `shards`.
+    parent_id: str | None = Field(default=None, index=True)
+    shard: int | None = None
+    shards: int = 0
     # The run's live numbers (`RunStats` without its series, JSON) as of its last checkpoint: what an API replica,
     # which has no run of its own to ask, shows while the batch runs on a worker. Cleared when the batch ends.
     live_json: str | None = None

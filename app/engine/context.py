@@ -33,6 +33,8 @@ class Context:
     ranks: int
     slots: asyncio.Semaphore
     metrics: Metrics
+    # A batch of more lines than this is cut into shards other workers may claim (0: never; `app.engine.shards`).
+    shard_lines: int = 0
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.
     feed: FairFeed = field(default_factory=FairFeed)
     # Told when a batch is created or cancelled: what batches waiting for their turn wake on.

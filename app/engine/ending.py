@@ -111,7 +111,7 @@ async def _result_file(
         filename=f"{row.id}_{kind}.jsonl",
         purpose=files.OUTPUT_PURPOSE,
         batch_id=row.id,
-        owner=row.owner,
+        owner=row.owner if row.parent_id is None else files.SHARD_OWNER,
     )
 
 

@@ -20,6 +20,7 @@ from app.domain.results import index_name, input_name
 from app.domain.schemas import BatchError
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.context import Context
+from app.engine.shards import start_in_shards
 
 log = logging.getLogger("vbatch.runner")
 
@@ -56,6 +57,12 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
+    try:
+        sharded = await start_in_shards(ctx, row, report.index, model)
+    except InvalidTransition:
+        sharded = batches.get(db=ctx.db, batch_id=row.id, owner=None)  # cancelled meanwhile
+    if sharded is not None:
+        return sharded, None
     started = _unless_cancelled(
         ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=lease)
     )

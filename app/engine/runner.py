@@ -34,6 +34,7 @@ from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import Checkpoint, ResultSink
 from app.engine.serving import EngineDead
+from app.engine.shards import run_parent
 
 log = logging.getLogger("vbatch.runner")
 
@@ -70,7 +71,9 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
     index: InputIndex | None = None
     if row.status == BatchStatus.VALIDATING:
         row, index = await validate(ctx, row)
-    if row.status in RUNNING and row.in_progress_at is not None:
+    if row.status in RUNNING and row.shards:
+        await run_parent(ctx, row)
+    elif row.status in RUNNING and row.in_progress_at is not None:
         try:
             index = index or await load_index(ctx, row)
         except FileNotFoundError:

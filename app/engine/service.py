@@ -199,6 +199,7 @@ class EngineService:
             slots=asyncio.Semaphore(max_in_flight),
             metrics=self.metrics,
             leases=self.leases,
+            shard_lines=0 if self.hold_at_most is None else settings.shard_lines,
         )
         self._ctx = ctx
         logs.ensure_enabled()
@@ -250,7 +251,8 @@ class EngineService:
         window, stopping its run first if one hangs on: a run ends its own batch at expiry, so one still going
         then is stuck. Returns the batches left active."""
         deadline = clock.now() - settings.watchdog_grace_seconds
-        overdue = [row for row in rows if row.expires_at is not None and row.expires_at < deadline]
+        # A parent of shards waits on them, and each shard has its own watchdog.
+        overdue = [row for row in rows if row.expires_at is not None and row.expires_at < deadline and not row.shards]
         for row in overdue:
             task = self._running.pop(row.id, None)
             if task is not None:

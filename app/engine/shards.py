@@ -1,0 +1,200 @@
+"""A large batch that several workers share: cut into shards when it is validated, joined again when they end.
+
+A worker that validates a batch of more than `shard_lines` lines (beside other workers: `vbatch serve` never cuts)
+cuts its lines, in planned order and on shared-prefix group boundaries, into shards: hidden batches with their own
+input, index, leases, checkpoints and takeovers, claimed like any batch by whichever worker has room. They are
+created in the transaction that starts the parent. The parent's run waits under its own lease: it keeps its counts
+as the sum of its shards', passes a cancel on to them, and once every shard has ended joins their result files in
+shard order into its own and ends with them; the shards and their files go after that commit. A shard's end sends
+no webhook and lists nowhere: the parent's does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+
+from app.core import clock
+from app.core.ids import new_id
+from app.domain import batches, files
+from app.domain.batches import Progress
+from app.domain.input_index import InputIndex
+from app.domain.lifecycle import TERMINAL, BatchStatus, InvalidTransition
+from app.domain.models import BatchRow
+from app.domain.results import index_name, input_name
+from app.domain.schemas import BatchError, BatchErrors
+from app.engine.context import Context
+from app.engine.ending import own_parts, publish
+from app.engine.ordering import plan
+from app.engine.parts import ResultSink
+
+log = logging.getLogger("vbatch.runner")
+
+
+def cut(index: InputIndex, shard_lines: int) -> list[list[int]]:
+    """Positions in planned order, in shards of at least `shard_lines` (the last may be smaller); a shared-prefix
+    group stays whole, on one worker, where its prefix is cached."""
+    shards: list[list[int]] = [[]]
+    for group in plan(index):
+        # Lines that share no prefix may be cut anywhere; a shared-prefix group only before it.
+        for piece in [group.positions] if group.shared_prefix else _pieces(group.positions, shard_lines):
+            if len(shards[-1]) >= shard_lines:
+                shards.append([])
+            shards[-1].extend(piece)
+    return shards
+
+
+def _pieces(positions: Sequence[int], size: int) -> list[Sequence[int]]:
+    return [positions[i : i + size] for i in range(0, len(positions), size)]
+
+
+async def start_in_shards(ctx: Context, row: BatchRow, index: InputIndex, model: str | None) -> BatchRow | None:
+    """Start the batch as the parent of its shards; None if it is not large enough to cut."""
+    positions = cut(index, ctx.settings.shard_lines) if ctx.shard_lines and len(index) > ctx.shard_lines else []
+    if len(positions) < 2:
+        return None
+    source = await ctx.storage.local_path(input_name(row.id))
+    shards = []
+    for number, shard in enumerate(positions):
+        data, shard_index = await asyncio.to_thread(_extract, source, index, shard)
+        shard_row = _shard_row(row, number, total=len(shard), model=model)
+        await ctx.storage.save_bytes(input_name(shard_row.id), data)
+        await ctx.storage.save_bytes(index_name(shard_row.id), shard_index.to_bytes())
+        shards.append(shard_row)
+    log.info("batch %s: %d requests in %d shards", row.id, len(index), len(shards))
+    lease = ctx.leases.get(row.id)
+    return batches.start(db=ctx.db, batch_id=row.id, total=len(index), model=model, lease=lease, shards=shards)
+
+
+def _extract(source: Path, index: InputIndex, positions: list[int]) -> tuple[bytes, InputIndex]:
+    """A shard's input (its lines, as the client sent them) and its index, with each line's number in the parent's
+    file, so that errors name the line the client knows."""
+    lines, shard = [], InputIndex()
+    offset = 0
+    with source.open("rb") as src:
+        for position in positions:
+            src.seek(index.offsets[position])
+            line = src.read(index.lengths[position])
+            lines.append(line + b"\n")
+            for column, value in (
+                (shard.numbers, index.numbers[position]),
+                (shard.offsets, offset),
+                (shard.lengths, index.lengths[position]),
+            ):
+                column.append(value)
+            shard.custom_ids.append(index.custom_ids[position])
+            shard.digests.append(index.digests[position])
+            offset += len(line) + 1
+    return b"".join(lines), shard
+
+
+def _shard_row(parent: BatchRow, number: int, *, total: int, model: str | None) -> BatchRow:
+    now = clock.now()
+    return BatchRow(
+        id=new_id("batch_"),
+        created_ns=parent.created_ns + number + 1,  # claimed after its parent, in shard order
+        endpoint=parent.endpoint,
+        input_file_id=parent.input_file_id,
+        completion_window=parent.completion_window,
+        status=BatchStatus.IN_PROGRESS,
+        owner=parent.owner,  # the round robin over keys counts it as its parent's
+        model=model,
+        output_expires_after_seconds=parent.output_expires_after_seconds,
+        created_at=parent.created_at,
+        in_progress_at=now,
+        expires_at=parent.expires_at,
+        total=total,
+        parent_id=parent.id,
+        shard=number,
+    )
+
+
+async def run_parent(ctx: Context, row: BatchRow) -> None:
+    """Wait for the shards, keeping the parent's counts and passing a cancel on; then join and end."""
+    lease = ctx.leases.get(row.id)
+    while True:
+        parent = batches.get(db=ctx.db, batch_id=row.id, owner=None)
+        shards = batches.shards_of(db=ctx.db, batch_id=row.id)
+        if parent.status == BatchStatus.CANCELLING:
+            _cancel(ctx, shards)
+        progress = _sum(shards)
+        if all(shard.status in TERMINAL for shard in shards):
+            break
+        batches.save_checkpoint(
+            db=ctx.db, batch_id=row.id, progress=progress, output_bytes=0, error_bytes=0, lease=lease
+        )
+        await asyncio.sleep(ctx.settings.checkpoint_seconds)
+    await _join(ctx, parent, shards, progress)
+
+
+def _cancel(ctx: Context, shards: list[BatchRow]) -> None:
+    for shard in shards:
+        if shard.status not in TERMINAL and shard.status not in (BatchStatus.CANCELLING, BatchStatus.FINALIZING):
+            with contextlib.suppress(InvalidTransition):  # it moved on meanwhile: it ends with what it has
+                batches.transition(db=ctx.db, batch_id=shard.id, to=BatchStatus.CANCELLING)
+
+
+def _sum(shards: list[BatchRow]) -> Progress:
+    total = Progress()
+    for shard in shards:
+        for field in fields(Progress):
+            setattr(total, field.name, getattr(total, field.name) + getattr(shard, field.name))
+    return total
+
+
+def _status(parent: BatchRow, shards: list[BatchRow]) -> BatchStatus:
+    ended = {shard.status for shard in shards}
+    if parent.status == BatchStatus.CANCELLING or BatchStatus.CANCELLED in ended:
+        return BatchStatus.CANCELLED
+    if BatchStatus.EXPIRED in ended:
+        return BatchStatus.EXPIRED
+    if BatchStatus.FAILED in ended:
+        return BatchStatus.FAILED
+    return BatchStatus.COMPLETED
+
+
+async def _join(ctx: Context, parent: BatchRow, shards: list[BatchRow], progress: Progress) -> None:
+    lease = ctx.leases.get(parent.id)
+    sink = ResultSink(*own_parts(ctx.storage, parent, lease))
+    await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
+    for shard in shards:
+        for file_id, appender in ((shard.output_file_id, sink.output), (shard.error_file_id, sink.errors)):
+            if file_id is not None:
+                async for chunk in ctx.storage.read_chunks(file_id):
+                    appender.add_lines(chunk)
+                await appender.flush()
+    sink.progress = replace(progress)
+    status = _status(parent, shards)
+    if status == BatchStatus.COMPLETED and parent.status != BatchStatus.FINALIZING:
+        try:
+            batches.transition(db=ctx.db, batch_id=parent.id, to=BatchStatus.FINALIZING, lease=lease)
+        except InvalidTransition:
+            status = BatchStatus.CANCELLED  # cancelled after its last shard had finished
+    await publish(
+        db=ctx.db,
+        storage=ctx.storage,
+        settings=ctx.settings,
+        row=parent,
+        sink=sink,
+        status=status,
+        timeline={},
+        errors=_errors(shards),
+        lease=lease,
+    )
+    for shard in shards:
+        for file_id in (shard.output_file_id, shard.error_file_id):
+            if file_id is not None:
+                await files.delete(db=ctx.db, storage=ctx.storage, file_id=file_id, owner=None)
+    batches.forget(db=ctx.db, batch_ids=[shard.id for shard in shards])
+
+
+def _errors(shards: list[BatchRow]) -> list[BatchError]:
+    found: list[BatchError] = []
+    for shard in shards:
+        if shard.errors_json:
+            found.extend(BatchErrors.model_validate_json(shard.errors_json).data)
+    return found
