@@ -20,7 +20,7 @@ from app.domain.results import index_name, input_name
 from app.domain.schemas import BatchError
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.context import Context
-from app.engine.shards import start_in_shards
+from app.engine.shards import make_shards
 
 log = logging.getLogger("vbatch.runner")
 
@@ -57,16 +57,14 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
-    try:
-        sharded = await start_in_shards(ctx, row, report.index, model)
-    except InvalidTransition:
-        sharded = batches.get(db=ctx.db, batch_id=row.id, owner=None)  # cancelled meanwhile
-    if sharded is not None:
-        return sharded, None
+    shards = await make_shards(ctx, row, report.index, model)
     started = _unless_cancelled(
-        ctx, row.id, lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=lease)
+        ctx,
+        row.id,
+        lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=lease, shards=shards),
     )
-    return started, report.index if started.status == BatchStatus.IN_PROGRESS else None
+    # A parent of shards runs none of its lines itself (`shards.run_parent`).
+    return started, report.index if started.status == BatchStatus.IN_PROGRESS and not shards else None
 
 
 def _unless_cancelled(ctx: Context, batch_id: str, move: Callable[[], BatchRow]) -> BatchRow:

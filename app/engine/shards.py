@@ -52,11 +52,12 @@ def _pieces(positions: Sequence[int], size: int) -> list[Sequence[int]]:
     return [positions[i : i + size] for i in range(0, len(positions), size)]
 
 
-async def start_in_shards(ctx: Context, row: BatchRow, index: InputIndex, model: str | None) -> BatchRow | None:
-    """Start the batch as the parent of its shards; None if it is not large enough to cut."""
-    positions = cut(index, ctx.settings.shard_lines) if ctx.shard_lines and len(index) > ctx.shard_lines else []
+async def make_shards(ctx: Context, row: BatchRow, index: InputIndex, model: str | None) -> list[BatchRow]:
+    """The shard rows to start the batch with, their inputs and indexes stored; none if it is not large enough to
+    cut (or this service does not cut)."""
+    positions = cut(index, ctx.shard_lines) if ctx.shard_lines and len(index) > ctx.shard_lines else []
     if len(positions) < 2:
-        return None
+        return []
     source = await ctx.storage.local_path(input_name(row.id))
     shards = []
     for number, shard in enumerate(positions):
@@ -66,8 +67,7 @@ async def start_in_shards(ctx: Context, row: BatchRow, index: InputIndex, model:
         await ctx.storage.save_bytes(index_name(shard_row.id), shard_index.to_bytes())
         shards.append(shard_row)
     log.info("batch %s: %d requests in %d shards", row.id, len(index), len(shards))
-    lease = ctx.leases.get(row.id)
-    return batches.start(db=ctx.db, batch_id=row.id, total=len(index), model=model, lease=lease, shards=shards)
+    return shards
 
 
 def _extract(source: Path, index: InputIndex, positions: list[int]) -> tuple[bytes, InputIndex]:
@@ -80,12 +80,9 @@ def _extract(source: Path, index: InputIndex, positions: list[int]) -> tuple[byt
             src.seek(index.offsets[position])
             line = src.read(index.lengths[position])
             lines.append(line + b"\n")
-            for column, value in (
-                (shard.numbers, index.numbers[position]),
-                (shard.offsets, offset),
-                (shard.lengths, index.lengths[position]),
-            ):
-                column.append(value)
+            shard.numbers.append(index.numbers[position])
+            shard.offsets.append(offset)
+            shard.lengths.append(index.lengths[position])
             shard.custom_ids.append(index.custom_ids[position])
             shard.digests.append(index.digests[position])
             offset += len(line) + 1
