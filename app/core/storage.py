@@ -30,6 +30,12 @@ class UploadTooLarge(Exception):
 ShipParts = Callable[[tuple[int, bytes], tuple[int, bytes]], Awaitable[None]]
 
 
+async def no_bytes() -> AsyncIterator[bytes]:
+    """An empty stream (a part or file with nothing in it yet)."""
+    return
+    yield  # pragma: no cover - makes this an async generator
+
+
 def open_storage(url: str | None, root: Path, reserve: DiskReserve | None = None) -> Storage:
     """The data directory's files (`url` None), or the S3-compatible store at `url` with `root` as scratch."""
     if url is None:

@@ -12,17 +12,12 @@ from typing import Literal, cast
 
 from sqlalchemy.engine import Engine
 
-from app.core.storage import Storage
+from app.core.storage import Storage, no_bytes
 from app.domain import batches
 from app.domain.lifecycle import TERMINAL
 from app.domain.results import part_names
 
 Kind = Literal["output", "error"]
-
-
-async def _nothing() -> AsyncIterator[bytes]:
-    return
-    yield  # pragma: no cover - makes this an async generator
 
 
 async def open_partial(
@@ -35,16 +30,16 @@ async def open_partial(
         if file_id is not None:
             opened = await storage.open_prefix(file_id)
         elif row.status in TERMINAL:
-            return _nothing(), 0
+            return no_bytes(), 0
         else:
             part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
             done = row.output_bytes_done if kind == "output" else row.error_bytes_done
             opened = await storage.open_part(part, done)
             if opened is None and done == 0:
-                return _nothing(), 0
+                return no_bytes(), 0
         if opened is not None:
             return opened
-    return _nothing(), 0
+    return no_bytes(), 0
 
 
 async def first_lines(
