@@ -160,7 +160,8 @@ async def _drain(engine: EngineView, deadline: float) -> None:
     """No batch starts from here; running ones stop with their results checkpointed. Past the deadline the process
     exits anyway: what is checkpointed is safe, and the next start resumes from it."""
     try:
-        await asyncio.wait_for(asyncio.shield(engine.stop()), timeout=deadline)
+        async with asyncio.timeout(deadline):
+            await engine.stop()
     except TimeoutError:
         log.error("the engine did not stop within VBATCH_DRAIN_SECONDS (%s s); exiting without it", deadline)
 

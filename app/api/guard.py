@@ -65,7 +65,8 @@ class RequestGuard:
                 return await receive()
             left = start + self.body_grace + received / self.min_body_rate - time.monotonic()
             try:
-                message = await asyncio.wait_for(receive(), timeout=max(left, 0.0))
+                async with asyncio.timeout(max(left, 0.0)):
+                    message = await receive()
             except TimeoutError:
                 raise SlowBody from None
             received += len(message.get("body", b""))

@@ -122,7 +122,8 @@ class FrontendPool:
             loop.add_reader(process.sentinel, self._engine_exited, process)
         self._tasks = [asyncio.create_task(self._receive()), asyncio.create_task(self._send())]
         try:
-            await asyncio.wait_for(self._ready.wait(), timeout)
+            async with asyncio.timeout(timeout):
+                await self._ready.wait()
         except TimeoutError:
             raise NotReady(f"front-end processes not ready within {timeout:.0f} s") from None
         if self._engine_lost or not all(f.alive for f in self._frontends):
@@ -161,7 +162,8 @@ class FrontendPool:
             return False
         checks = [self._ask_health(f) for f in self._frontends]
         try:
-            answers = await asyncio.wait_for(asyncio.gather(*checks), HEALTH_TIMEOUT_SECONDS)
+            async with asyncio.timeout(HEALTH_TIMEOUT_SECONDS):
+                answers = await asyncio.gather(*checks)
         except (TimeoutError, EngineDead):
             return False
         return all(answers)

@@ -10,7 +10,6 @@ objects in the same transaction that ends the batch.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import time
@@ -168,8 +167,8 @@ class BatchRun:
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
             if stop.done():
                 work.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await work
+                # gather, not suppress(CancelledError): a cancel of this run itself must not be swallowed here.
+                await asyncio.gather(work, return_exceptions=True)
                 return stop.result()
             work.result()
             return None

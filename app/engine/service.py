@@ -13,8 +13,9 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Coroutine
 from contextlib import AsyncExitStack
-from typing import Literal
+from typing import Any, Literal
 
 from sqlalchemy.engine import Engine
 
@@ -56,6 +57,10 @@ class EngineService:
         self._wake: asyncio.Event | None = None
         self._stopping: asyncio.Event | None = None
         self._stop_requested = threading.Event()
+        # Who waits for the engine thread to end: (their loop, their future), resolved from that thread.
+        self._thread_ended = False
+        self._end_waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
+        self._end_lock = threading.Lock()
         self._running: dict[str, asyncio.Task] = {}
         self._ctx: Context | None = None
         self.metrics = Metrics()
@@ -135,17 +140,43 @@ class EngineService:
         self._stop_requested.clear()
         self.hold_at_most = hold_at_most
         self.metrics = metrics or Metrics()
+        self._thread_ended = False
         self._thread = threading.Thread(
-            target=asyncio.run, args=(self._lifetime(db, storage, settings),), name="vbatch-engine", daemon=True
+            target=self._run_thread, args=(self._lifetime(db, storage, settings),), name="vbatch-engine", daemon=True
         )
         self._thread.start()
 
-    async def stop(self) -> None:
-        """Abort what runs (finished work is checkpointed), stop the engine, and wait for the engine thread."""
+    def request_stop(self) -> None:
+        """Abort what runs (finished work is checkpointed) and stop the engine; from any thread."""
         self._stop_requested.set()
         self._signal(self._stopping)
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join)
+
+    async def stop(self) -> None:
+        """`request_stop`, then wait for the engine thread."""
+        self.request_stop()
+        await self._thread_end()
+
+    async def _thread_end(self) -> None:
+        """Waits for the engine thread without blocking a thread of the caller's executor in `join`: one left
+        blocked there past the drain deadline would keep the process from ever exiting (asyncio.run waits for it)."""
+        loop = asyncio.get_running_loop()
+        ended = loop.create_future()
+        with self._end_lock:
+            if self._thread is None or self._thread_ended:
+                return
+            self._end_waiters.append((loop, ended))
+        await ended
+
+    def _run_thread(self, lifetime: Coroutine[Any, Any, None]) -> None:
+        try:
+            asyncio.run(lifetime)
+        finally:
+            with self._end_lock:
+                self._thread_ended = True
+                waiters, self._end_waiters = self._end_waiters, []
+            for loop, ended in waiters:
+                with contextlib.suppress(RuntimeError):  # that loop has closed: nobody waits any more
+                    loop.call_soon_threadsafe(_resolve, ended)
 
     async def _lifetime(self, db: Engine, storage: Storage, settings: Settings) -> None:
         self._wake, self._stopping = asyncio.Event(), asyncio.Event()
@@ -232,8 +263,11 @@ class EngineService:
                 if self.scheduler_error is None:
                     log.exception("the engine loop could not look for work; it tries again every %s s", POLL_SECONDS)
                 self.scheduler_error = f"the engine loop cannot read its batches ({type(exc).__name__})"
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout=POLL_SECONDS)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that comes as the event is
+            # set (a stop as a batch ends), and this loop would then never end.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(POLL_SECONDS):
+                    await self._wake.wait()
             if self._wake.is_set():  # a batch was created or cancelled: batches waiting for a turn look again
                 ctx.changes.notify()
 
@@ -333,3 +367,8 @@ class EngineService:
         finally:
             self._running.pop(batch_id, None)
             self.wake()
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # a waiter that gave up (the drain deadline) has cancelled it
+        future.set_result(None)

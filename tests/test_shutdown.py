@@ -1,0 +1,60 @@
+"""A stop always ends: the engine loop ends on a stop whatever it was doing, and an engine that never finishes its
+own shutdown keeps the process from exiting no longer than VBATCH_DRAIN_SECONDS."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi.testclient import TestClient
+
+from app.engine.service import EngineService
+from app.main import create_app
+from app.testing import FakeEngine, FakeServing
+from tests.helpers import wait_for
+
+
+def test_a_stop_that_comes_with_a_wake_ends_the_engine_loop(settings):
+    # A wake (a batch created) and a stop seen by the idle loop at once: on Python 3.11 asyncio.wait_for returned
+    # the wake and dropped the stop's cancel, and the loop went on looking for work forever.
+    for _ in range(3):
+        service = EngineService(FakeEngine())
+        with TestClient(create_app(settings, service)) as client:
+            wait_for(lambda: client.get("/health").status_code == 200)
+            frozen, thawed = threading.Event(), threading.Event()
+            assert service._loop is not None
+            service._loop.call_soon_threadsafe(lambda: (frozen.set(), thawed.wait()))
+            assert frozen.wait(10)
+            service.wake()
+            service.request_stop()
+            thawed.set()
+            client.portal.call(_within, service.stop(), 30)
+        assert service._thread is not None and not service._thread.is_alive()
+
+
+class EngineThatNeverShutsDown(FakeEngine):
+    @asynccontextmanager
+    async def __call__(self) -> AsyncIterator[FakeServing]:
+        async with super().__call__() as serving:
+            yield serving
+        await asyncio.Event().wait()
+
+
+def test_an_engine_that_never_shuts_down_holds_the_exit_only_for_the_drain_deadline(settings):
+    settings = settings.model_copy(update={"drain_seconds": 0.5})
+    exited = threading.Event()
+
+    def serve() -> None:
+        with TestClient(create_app(settings, EngineService(EngineThatNeverShutsDown()))) as client:
+            wait_for(lambda: client.get("/health").status_code == 200)
+        exited.set()  # the app's event loop closed: nothing of it waits on the engine thread
+
+    threading.Thread(target=serve, daemon=True).start()
+    assert exited.wait(60)
+
+
+async def _within(stopping, seconds: float) -> None:
+    async with asyncio.timeout(seconds):
+        await stopping
