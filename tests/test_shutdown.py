@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 
 from fastapi.testclient import TestClient
 
@@ -23,15 +23,24 @@ def test_a_stop_that_comes_with_a_wake_ends_the_engine_loop(settings):
         service = EngineService(FakeEngine())
         with TestClient(create_app(settings, service)) as client:
             wait_for(lambda: client.get("/health").status_code == 200)
-            frozen, thawed = threading.Event(), threading.Event()
-            assert service._loop is not None
-            service._loop.call_soon_threadsafe(lambda: (frozen.set(), thawed.wait()))
-            assert frozen.wait(10)
-            service.wake()
-            service.request_stop()
-            thawed.set()
+            with _frozen(service):
+                service.wake()
+                service.request_stop()
             client.portal.call(_within, service.stop(), 30)
         assert service._thread is not None and not service._thread.is_alive()
+
+
+@contextmanager
+def _frozen(service: EngineService) -> Iterator[None]:
+    """The engine loop stands still meanwhile, so that what is asked of it in the block reaches it at once."""
+    frozen, thawed = threading.Event(), threading.Event()
+    assert service._loop is not None
+    service._loop.call_soon_threadsafe(lambda: (frozen.set(), thawed.wait()))
+    assert frozen.wait(10)
+    try:
+        yield
+    finally:
+        thawed.set()
 
 
 class EngineThatNeverShutsDown(FakeEngine):
