@@ -167,10 +167,16 @@ def test_workers_share_one_large_batch_in_shards_and_a_cancel_reaches_them_all(c
 
     cancelled = submit(client, tmp_path, "cancelled", 3000)
     wait_for(lambda: client.batches.retrieve(cancelled).request_counts.completed >= 50)
+    # Through the other replica: the lines its shards have checkpointed so far, each once.
+    partial = httpx.get(f"{cluster.apis[1].base_url}/v1/batches/{cancelled}/partial_output", timeout=30)
+    seen = {line["custom_id"]: line["response"]["body"] for line in map(json.loads, partial.content.splitlines())}
+    assert len(seen) >= 50 and len(seen) == len(partial.content.splitlines())
     client.batches.cancel(cancelled)
     batch = ended(client, cancelled)
     assert batch.status == "cancelled"
-    done = {**answers(client, batch.output_file_id), **answers_or_errors(client, batch.error_file_id)}
+    finished = answers(client, batch.output_file_id)
+    assert {custom_id: finished[custom_id] for custom_id in seen} == seen  # kept as first seen
+    done = {**finished, **answers_or_errors(client, batch.error_file_id)}
     assert done.keys() == {f"cancelled-{i}" for i in range(3000)}  # every line once: a result or its cancel error
     assert batch.request_counts.completed + batch.request_counts.failed == 3000
 

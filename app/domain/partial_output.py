@@ -1,7 +1,7 @@
 """`GET /v1/batches/{id}/partial_output` (a vbatch extension): the result lines a batch has so far.
 
-While the batch runs, its part file up to the last checkpoint (lines that will not change); once it ends, its
-published output or error file.
+While the batch runs, its part file up to the last checkpoint (lines that will not change), or for a batch cut
+into shards its shards' lines so far, in shard order; once it ends, its published output or error file.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from sqlalchemy.engine import Engine
 from app.core.storage import Storage, no_bytes
 from app.domain import batches
 from app.domain.lifecycle import TERMINAL
+from app.domain.models import BatchRow
 from app.domain.results import part_names
 
 Kind = Literal["output", "error"]
@@ -26,20 +27,47 @@ async def open_partial(
     # Twice: a batch can finish between reading its row and opening its part file, which it then removes.
     for _ in range(2):
         row = batches.get(db=db, batch_id=batch_id, owner=owner)
-        file_id = row.output_file_id if kind == "output" else row.error_file_id
-        if file_id is not None:
-            opened = await storage.open_prefix(file_id)
-        elif row.status in TERMINAL:
-            return no_bytes(), 0
+        if row.shards and _file_of(row, kind) is None and row.status not in TERMINAL:
+            rows = batches.shards_of(db=db, batch_id=row.id)  # a parent has no lines of its own until it joins them
         else:
-            part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
-            done = row.output_bytes_done if kind == "output" else row.error_bytes_done
-            opened = await storage.open_part(part, done)
-            if opened is None and done == 0:
-                return no_bytes(), 0
-        if opened is not None:
-            return opened
+            rows = [row]
+        opened = [await _open(storage, each, kind) for each in rows]
+        if all(each is not None for each in opened):
+            return _joined([each for each in opened if each is not None])
     return no_bytes(), 0
+
+
+def _file_of(row: BatchRow, kind: Kind) -> str | None:
+    return row.output_file_id if kind == "output" else row.error_file_id
+
+
+async def _open(storage: Storage, row: BatchRow, kind: Kind) -> tuple[AsyncIterator[bytes], int] | None:
+    """None: the batch ended meanwhile (its part file is gone)."""
+    file_id = _file_of(row, kind)
+    if file_id is not None:
+        return await storage.open_prefix(file_id)
+    if row.status in TERMINAL:
+        return no_bytes(), 0
+    part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
+    done = row.output_bytes_done if kind == "output" else row.error_bytes_done
+    opened = await storage.open_part(part, done)
+    return (no_bytes(), 0) if opened is None and done == 0 else opened
+
+
+def _joined(streams: list[tuple[AsyncIterator[bytes], int]]) -> tuple[AsyncIterator[bytes], int]:
+    if len(streams) == 1:
+        return streams[0]
+
+    async def chunks() -> AsyncIterator[bytes]:
+        try:
+            for stream, _ in streams:
+                async for chunk in stream:
+                    yield chunk
+        finally:  # a reader that stops early (`first_lines`) closes this stream, and with it each file it opened
+            for stream, _ in streams:
+                await cast(AsyncGenerator[bytes, None], stream).aclose()
+
+    return chunks(), sum(length for _, length in streams)
 
 
 async def first_lines(
@@ -52,6 +80,6 @@ async def first_lines(
         head.extend(chunk)
         if head.count(b"\n") >= count or len(head) >= max_bytes:
             break
-    await cast(AsyncGenerator[bytes, None], chunks).aclose()  # both of open_partial's streams are generators
+    await cast(AsyncGenerator[bytes, None], chunks).aclose()  # every stream of open_partial is a generator
     complete = bytes(head[: head.rfind(b"\n") + 1])
     return [json.loads(line) for line in complete.splitlines()[:count]]
