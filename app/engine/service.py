@@ -328,6 +328,12 @@ class EngineService:
         if room is None or room > 0:
             for lease in leases.claim(db=db, holder=self.holder, seconds=settings.lease_seconds, limit=room):
                 self.leases[lease.batch_id] = lease
+                if lease.token > 1:
+                    log.info(
+                        "batch %s: held again (lease token %d); it goes on from its last checkpoint",
+                        lease.batch_id,
+                        lease.token,
+                    )
         rows = [row for row in batches.active(db=db) if row.id in self.leases]
         active = {row.id for row in rows}
         for batch_id in [b for b in self.leases if b not in active and b not in self._running]:
