@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import fcntl
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol
@@ -19,6 +19,7 @@ from sqlmodel import Session, create_engine
 BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 5
 _IMMEDIATE = "vbatch_immediate"
+WORK_CHANNEL = "vbatch_work"
 
 
 def _on_connect(dbapi_connection, _record) -> None:
@@ -79,6 +80,28 @@ def lock_name(session: Session, name: str) -> None:
     bind = session.get_bind()
     if bind.dialect.name == "postgresql":
         session.execute(text("SELECT pg_advisory_xact_lock(hashtextextended(:name, 0))"), {"name": name})
+
+
+def announce_work(session: Session) -> None:
+    """Tell the workers of other processes to look for work once this transaction commits (a batch created,
+    cancelled or cut into shards): Postgres NOTIFY. On SQLite they find it at their next poll."""
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": WORK_CHANNEL})
+
+
+async def work_announcements(engine: Engine) -> AsyncIterator[None]:
+    """Yields once listening (work announced meanwhile was missed: look now), then at each `announce_work`
+    committed anywhere; on Postgres only (none on SQLite). Raises when the connection fails: listen again."""
+    if engine.dialect.name != "postgresql":
+        return
+    import psycopg
+
+    url = engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+    async with await psycopg.AsyncConnection.connect(url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S) as conn:
+        await conn.execute(f"LISTEN {WORK_CHANNEL}")
+        yield
+        async for _ in conn.notifies():
+            yield
 
 
 class DatabaseTaken(RuntimeError):

@@ -11,7 +11,7 @@ from sqlmodel import col, func, select
 
 from app.core import clock
 from app.core.auth import visible
-from app.core.db import lock_name, session_scope, write_scope
+from app.core.db import announce_work, lock_name, session_scope, write_scope
 from app.core.ids import new_id
 from app.domain import events, files, leases
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
@@ -175,6 +175,7 @@ def create(
             expires_at=created + windows[request.completion_window],
         )
         session.add(row)
+        announce_work(session)
         session.commit()
     return row
 
@@ -341,6 +342,8 @@ def _move(
         session.add(row)
         if to in TERMINAL and row.parent_id is None:  # a shard's end is no event: its parent's is
             session.add(events.for_batch(row, now=now))
+        if to == BatchStatus.CANCELLING or any(isinstance(new, BatchRow) for new in new_rows):
+            announce_work(session)
         session.commit()
     return row
 

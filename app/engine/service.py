@@ -21,6 +21,7 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock, logs
 from app.core.config import Settings
+from app.core.db import work_announcements
 from app.core.storage import Storage
 from app.domain import batches, leases, workers
 from app.domain.leases import Lease, LeaseLost
@@ -183,11 +184,12 @@ class EngineService:
         self._loop = asyncio.get_running_loop()
         main = asyncio.create_task(self._main(db, storage, settings))
         beat = asyncio.create_task(self._beat(db))
+        listen = asyncio.create_task(self._listen(db))
         if not self._stop_requested.is_set():  # a stop asked before the loop existed is seen here
             await self._stopping.wait()
-        for task in [*self._running.values(), main, beat]:
+        for task in [*self._running.values(), main, beat, listen]:
             task.cancel()
-        await asyncio.gather(*self._running.values(), main, beat, return_exceptions=True)
+        await asyncio.gather(*self._running.values(), main, beat, listen, return_exceptions=True)
         self._release_all(db)
         with contextlib.suppress(Exception):
             workers.forget(db=db, holder=self.holder)
@@ -346,6 +348,24 @@ class EngineService:
         while True:
             with contextlib.suppress(Exception):
                 workers.beat(db=db, worker=self.worker_state())
+            await asyncio.sleep(POLL_SECONDS)
+
+    async def _listen(self, db: Engine) -> None:
+        """Look for work as soon as another process announces some (a batch created through an API replica, shards
+        cut by another worker), not at the next poll; on a database that announces nothing, the polls find it."""
+        assert self._wake is not None
+        failed = False
+        while True:
+            try:
+                async for _ in work_announcements(db):
+                    failed = False
+                    self._wake.set()
+            except Exception:
+                if not failed:
+                    log.warning("cannot listen for work announcements; looking every %s s meanwhile", POLL_SECONDS)
+                failed = True
+            else:
+                return
             await asyncio.sleep(POLL_SECONDS)
 
     def _release_all(self, db: Engine) -> None:

@@ -135,4 +135,4 @@ class WorkersView:
         return {}
 
     def wake(self) -> None:
-        """Workers look for new work every second on their own."""
+        """Workers hear of new work from the database (`db.announce_work`), or find it at their next poll."""
