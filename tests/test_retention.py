@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+from sqlmodel import col, select
+
 from app.core import clock
-from app.domain import retention
+from app.core.db import session_scope
+from app.domain import files, retention
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import BatchRow, FileRow
 from tests.helpers import create_batch, jsonl, request_line, stored_names, upload, wait_for, wait_status
 
 BACKENDS = ("sqlite", "postgres_s3")
@@ -68,3 +73,30 @@ def test_the_periodic_sweeper_runs_on_its_own(settings, fake_engine, monkeypatch
         real_now = clock.now
         monkeypatch.setattr(clock, "now", lambda: real_now() + 2 * HOUR)
         wait_for(lambda: short["id"] not in stored_names(settings))
+
+
+def test_shards_left_by_a_crash_after_their_parent_ended_go_with_their_files(client, settings, fake_engine):
+    """A worker that dies between its parent's commit and deleting the shards leaves hidden rows and files."""
+    ended = wait_status(client, create_batch(client, upload(client, jsonl([request_line("e")]))["id"])["id"], FINAL)
+    fake_engine.executor.answer_first = fake_engine.executor.calls  # the next batch stays running
+    running = create_batch(client, upload(client, jsonl([request_line("r")]))["id"])
+    wait_for(lambda: client.get(f"/v1/batches/{running['id']}").json()["status"] == "in_progress")
+    db, storage = client.app.state.db, client.app.state.storage
+    results = {b["id"]: upload(client, b'{"custom_id": "x"}\n', purpose="user_data") for b in (ended, running)}
+    with session_scope(db) as session:
+        for parent_id, result in results.items():
+            stored = session.get(FileRow, result["id"])
+            stored.owner = files.SHARD_OWNER
+            shard = BatchRow.model_validate(session.get(BatchRow, parent_id).model_dump())
+            shard.id, shard.parent_id, shard.shard = f"{parent_id}_s0", parent_id, 0
+            shard.status, shard.output_file_id = BatchStatus.COMPLETED, result["id"]
+            session.add_all([stored, shard])
+        session.commit()
+
+    asyncio.run(retention.sweep(db=db, storage=storage, now=clock.now(), keep_events_seconds=0))
+    with session_scope(db) as session:
+        left = {row.id for row in session.exec(select(BatchRow).where(col(BatchRow.parent_id).is_not(None)))}
+    assert left == {f"{running['id']}_s0"}  # an active parent's shard stays
+    assert results[ended["id"]]["id"] not in stored_names(settings)
+    assert results[running["id"]]["id"] in stored_names(settings)
+    assert client.get(f"/v1/batches/{ended['id']}").json() == ended  # the parent itself is untouched

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
+from sqlalchemy.orm import aliased
 from sqlmodel import col, func, select
 
 from app.core import clock
 from app.core.auth import visible
 from app.core.db import announce_work, lock_name, session_scope, write_scope
 from app.core.ids import new_id
+from app.core.storage import Storage
 from app.domain import events, files, leases
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
 from app.domain.leases import Lease
@@ -208,12 +211,28 @@ def shards_of(*, db: Engine, batch_id: str) -> list[BatchRow]:
         return list(session.exec(statement).all())
 
 
-def forget(*, db: Engine, batch_ids: Sequence[str]) -> None:
-    """Remove rows no client sees (a parent's shards, once it has ended with their results)."""
+async def forget_shards(*, db: Engine, storage: Storage, shards: Sequence[BatchRow]) -> None:
+    """Shards whose parent has ended with their results: their result files and rows go (no client sees them)."""
+    for shard in shards:
+        for file_id in (shard.output_file_id, shard.error_file_id):
+            if file_id is not None:
+                with contextlib.suppress(NotFound):  # an earlier try got that far
+                    await files.delete(db=db, storage=storage, file_id=file_id, owner=None)
     with write_scope(db) as session:
-        for row in session.exec(select(BatchRow).where(col(BatchRow.id).in_(batch_ids))).all():
+        ids = [shard.id for shard in shards]
+        for row in session.exec(select(BatchRow).where(col(BatchRow.id).in_(ids))).all():
             session.delete(row)
         session.commit()
+
+
+def leftover_shards(*, db: Engine) -> list[BatchRow]:
+    """Shards of a parent that has ended: a crash between its commit and `forget_shards` left them."""
+    parent = aliased(BatchRow)
+    with session_scope(db) as session:
+        statement = (
+            select(BatchRow).join(parent, col(BatchRow.parent_id) == parent.id).where(col(parent.status).in_(TERMINAL))
+        )
+        return list(session.exec(statement).all())
 
 
 def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:

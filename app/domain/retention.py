@@ -1,5 +1,6 @@
 """Retention: files past their `expires_at` (an upload's `expires_after`, the batch-file and output TTLs, a batch's
-`output_expires_after`) leave the disk and the database; webhook events that are done leave the outbox.
+`output_expires_after`) leave the disk and the database; webhook events that are done leave the outbox; shards left
+behind by a crash after their parent ended go with their files.
 
 A file an active batch still reads is never deleted, whatever its expiry: the batch keeps it until it ends (its
 expiry hides it from its owner all the same). Each deletion leaves the same tombstone as a client's delete, so a
@@ -15,7 +16,7 @@ from sqlmodel import col, delete, select
 
 from app.core.db import session_scope, write_scope
 from app.core.storage import Storage
-from app.domain import files
+from app.domain import batches, files
 from app.domain.errors import NotFound
 from app.domain.lifecycle import ACTIVE
 from app.domain.models import BatchRow, FileRow, WebhookEvent
@@ -44,6 +45,9 @@ async def sweep(*, db: Engine, storage: Storage, now: int, keep_events_seconds: 
             removed += 1
         except NotFound:  # its owner deleted it meanwhile
             continue
+    if leftovers := batches.leftover_shards(db=db):
+        await batches.forget_shards(db=db, storage=storage, shards=leftovers)
+        log.info("retention: removed %d shards of batches that had ended", len(leftovers))
     with write_scope(db) as session:
         finished = col(WebhookEvent.delivered_at).is_not(None) | col(WebhookEvent.given_up_at).is_not(None)
         session.exec(delete(WebhookEvent).where(finished, col(WebhookEvent.created_at) < now - keep_events_seconds))

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from app.core import clock
 from app.core.ids import new_id
-from app.domain import batches, files
+from app.domain import batches
 from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import TERMINAL, BatchStatus, InvalidTransition
@@ -182,11 +182,7 @@ async def _join(ctx: Context, parent: BatchRow, shards: list[BatchRow], progress
         errors=_errors(shards),
         lease=lease,
     )
-    for shard in shards:
-        for file_id in (shard.output_file_id, shard.error_file_id):
-            if file_id is not None:
-                await files.delete(db=ctx.db, storage=ctx.storage, file_id=file_id, owner=None)
-    batches.forget(db=ctx.db, batch_ids=[shard.id for shard in shards])
+    await batches.forget_shards(db=ctx.db, storage=ctx.storage, shards=shards)
 
 
 def _errors(shards: list[BatchRow]) -> list[BatchError]:
