@@ -8,19 +8,25 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core import failpoints, logs
 from app.core.config import Settings
 from app.engine import default_model
 from app.engine.serving import EngineFactory, poisoned
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
 log = logging.getLogger("vbatch")
 
-USAGE = """usage: vbatch {serve,api,worker,run} [options] [vLLM engine args]
+USAGE = """usage: vbatch {serve,api,worker,cluster,run} [options] [vLLM engine args]
 
   vbatch serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [vLLM engine args]
   vbatch api [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
   vbatch worker [--host 127.0.0.1] [--port 8001] [--data-dir DIR] [vLLM engine args]
+  vbatch cluster [--ray-address ADDR] [--replicas N] [--gpus-per-replica K] [--data-dir DIR] [vLLM engine args]
+  vbatch cluster scale N [--ray-address ADDR]
   vbatch run -i in.jsonl -o out.jsonl [--error-file err.jsonl] [vLLM engine args]
 
 Engine args are exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).
@@ -79,16 +85,26 @@ def server_options(settings: Settings) -> dict:
 
 def serve(argv: list[str], role: str = "serve") -> None:
     """`vbatch serve` and `vbatch worker`: the engine's arguments are `vllm serve`'s."""
+    app, settings = service_app(argv, role)
+    _run_app(app, settings)
+
+
+def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings]:
+    """The app of `vbatch serve` or `vbatch worker` with these arguments, and its settings."""
     from app.engine.service import EngineService
-    from app.engine.vllm_adapter import serve_parser
     from app.main import Role, create_app
 
-    parser = _service_options(serve_parser(f"vbatch {role}"))
-    args = parser.parse_args(argv)
+    args = parse_service_args(argv, role)
     settings = _settings(args)
     _check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     _prepare_engine_args(argv, args, settings)
-    _run_app(create_app(settings, EngineService(_engine_factory(args)), Role(role)), settings)
+    return create_app(settings, EngineService(_engine_factory(args)), Role(role)), settings
+
+
+def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:
+    from app.engine.vllm_adapter import serve_parser
+
+    return _service_options(serve_parser(f"vbatch {role}")).parse_args(argv)
 
 
 def api(argv: list[str]) -> None:
@@ -156,6 +172,13 @@ def _check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
         log.warning("no API keys configured: serving %s without authentication", settings.host)
 
 
+def cluster(argv: list[str]) -> None:
+    """`vbatch cluster`: workers on a Ray cluster (the `ray` extra)."""
+    from app import cluster as ray_cluster
+
+    ray_cluster.main(argv)
+
+
 def run(argv: list[str]) -> None:
     import asyncio
 
@@ -184,7 +207,13 @@ def run(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logs.configure(Settings().log_format)
-    commands = {"serve": serve, "worker": lambda rest: serve(rest, "worker"), "api": api, "run": run}
+    commands = {
+        "serve": serve,
+        "worker": lambda rest: serve(rest, "worker"),
+        "api": api,
+        "run": run,
+        "cluster": cluster,
+    }
     if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         sys.exit(2)

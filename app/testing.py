@@ -19,6 +19,7 @@ import zlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -360,6 +361,17 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def fake_worker_app(argv: list[str]) -> tuple[Any, Any]:
+    """`vbatch worker`'s app over the fake engine, settings from `VBATCH_*` (`argv` unused): what a Ray replica
+    (`app.cluster.Replica`) runs in tests."""
+    from app.core.config import Settings
+    from app.engine.service import EngineService
+    from app.main import Role, create_app
+
+    settings = Settings()
+    return create_app(settings, EngineService(FakeEngine()), Role.WORKER), settings
 
 
 def serve_fake_engine(argv: list[str] | None = None) -> None:

@@ -109,6 +109,37 @@ def vbatch_cluster_side(args: argparse.Namespace, tickets: Path, out: Path) -> d
         postgres.stop()
 
 
+def vbatch_ray_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
+    """`vbatch cluster --replicas 1`: one worker in a Ray actor (a local Ray cluster the command starts), with a
+    `vbatch api` in front, on Postgres and an S3 store as `vbatch_cluster`. `engine_start_s` runs from launching
+    `vbatch cluster` to the api seeing the replica's engine serve; `first_result_s` adds the batch's first result."""
+    postgres = LocalPostgres(out / "pg-ray")
+    s3 = LocalS3(out / "vbatch_ray-s3.log")
+    data = out / "vbatch_ray-data"
+    env = {
+        "VBATCH_DATABASE_URL": postgres.new_database(),
+        "VBATCH_STORAGE_URL": s3.new_url(),
+        "VBATCH_DATA_DIR": str(data / "workers"),
+        **s3.environ,
+    }
+    gpus = "1" if args.dummy else "0"  # the GPU runs use dummy weights; the CPU ones the real small model
+    flags = ["--replicas", "1", "--gpus-per-replica", gpus, *engine_flags(args)]
+    launched = VbatchServer(data / "workers", 8125, flags, out / "vbatch_ray-cluster.log", env=env, role="cluster")
+    api = VbatchServer(data / "api", 8123, [], out / "vbatch_ray-api.log", env=env, role="api")
+    try:
+        start_s = api.wait_ready(timeout=600) + api.started - launched.started
+        warm_up(api.base_url, out, SERVED, SAMPLING)
+        measured = measure(api, tickets, hammer=args.poll_load)
+        first_result_s = start_s + measured["timeline_s"]["first_result"] - measured["timeline_s"]["created"]
+        return {"side": "vbatch_ray", "engine_start_s": round(start_s, 2), **measured,
+                "first_result_s": round(first_result_s, 2)}  # fmt: skip
+    finally:
+        for server in (api, launched):
+            server.stop()
+        s3.stop()
+        postgres.stop()
+
+
 def llm_chat_side(args: argparse.Namespace, tickets: Path, out: Path) -> dict:
     extra = json.dumps(
         {**({"load_format": "dummy"} if args.dummy else {}), **({"enforce_eager": True} if args.eager else {})}
@@ -160,6 +191,7 @@ def main() -> None:
         "vbatch": vbatch_side,
         "vbatch_postgres": vbatch_postgres_side,
         "vbatch_cluster": vbatch_cluster_side,
+        "vbatch_ray": vbatch_ray_side,
         "llm_chat": llm_chat_side,
         "run_batch": run_batch_side,
     }
@@ -198,6 +230,11 @@ def print_table(results: dict) -> None:
     if v.get("turnaround_s") and cluster.get("turnaround_s"):
         ratio = cluster["turnaround_s"] / v["turnaround_s"]
         print(f"turnaround api + worker on Postgres + S3 / serve on SQLite: {ratio:.2f}x")
+    ray_side = sides.get("vbatch_ray", {})
+    if v.get("output_tokens_per_s") and ray_side.get("output_tokens_per_s"):
+        ratio = ray_side["output_tokens_per_s"] / v["output_tokens_per_s"]
+        first = ray_side["first_result_s"]
+        print(f"output tok/s, one Ray replica / serve: {ratio:.3f}x; launch to first result {first} s")
 
 
 if __name__ == "__main__":
