@@ -46,7 +46,7 @@ def worker_app(argv: list[str]) -> tuple[FastAPI, Settings]:
 
 
 class Replica:
-    """One `vbatch worker` in this actor's process; its HTTP port is any free one (`address`)."""
+    """One `vbatch worker` in this actor's process; its HTTP port (/health, /metrics) is any free one."""
 
     def __init__(self, build: AppBuilder, argv: list[str]) -> None:
         import uvicorn
@@ -64,10 +64,6 @@ class Replica:
     def holder(self) -> str:
         """The name this worker holds leases under."""
         return self.app.state.engine.holder
-
-    def state(self) -> str:
-        """Its engine's state: starting, ok, restarting or down."""
-        return self.app.state.engine.state
 
     def stop(self) -> None:
         """As on SIGTERM: no batch starts, running ones checkpoint, leases are released; returns once it is down."""
@@ -100,9 +96,6 @@ class Pool:
             ray.kill(replica, no_restart=True)
         return len(self.replicas)
 
-    def size(self) -> int:
-        return len(self.replicas)
-
     def holders(self) -> list[str]:
         """Each replica's lease holder name, in replica order (waits for replicas still starting)."""
         import ray
@@ -118,11 +111,12 @@ def replica_env(env: dict[str, str], number: int) -> dict[str, str]:
     (one machine)."""
     if not env.get("VBATCH_STORAGE_URL"):
         return env
-    base = Path(env.get("VBATCH_DATA_DIR", "data")).resolve()
-    return {**env, "VBATCH_DATA_DIR": str(base / f"replica-{number}")}
+    return {**env, "VBATCH_DATA_DIR": str(Path(env["VBATCH_DATA_DIR"]) / f"replica-{number}")}
 
 
 def passed_on(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
+    """What every replica gets of `environ`, its data directory made absolute (the actors' working directory is
+    Ray's)."""
     env = {name: value for name, value in environ.items() if name.startswith(PASSED_ON)}
     env["VBATCH_DATA_DIR"] = str(Path(env.get("VBATCH_DATA_DIR", "data")).resolve())
     return env
