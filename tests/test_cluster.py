@@ -65,6 +65,15 @@ class RayCluster:
         finally:
             db.dispose()
 
+    def holding_now(self, batch_id: str) -> set[str | None]:
+        """Who holds the batch and its shards now."""
+        db = make_engine(self.database_url)
+        try:
+            rows = [batches.get(db=db, batch_id=batch_id, owner=None), *batches.shards_of(db=db, batch_id=batch_id)]
+            return {row.lease_holder for row in rows}
+        finally:
+            db.dispose()
+
 
 @pytest.fixture
 def ray_cluster(local_ray, tmp_path: Path, postgres, s3) -> Iterator[RayCluster]:
@@ -73,7 +82,8 @@ def ray_cluster(local_ray, tmp_path: Path, postgres, s3) -> Iterator[RayCluster]
         "VBATCH_DATABASE_URL": database_url,
         "VBATCH_STORAGE_URL": s3.new_url(),
         "VBATCH_DATA_DIR": str(tmp_path / "data"),
-        "VBATCH_LEASE_SECONDS": "3",
+        # Longer than any test waits: a replica's shards go to another only when it releases them or Ray restarts it.
+        "VBATCH_LEASE_SECONDS": "60",
         "VBATCH_CHECKPOINT_SECONDS": "0.1",
         "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.02",
         "VBATCH_SHARD_LINES": str(SHARD_LINES),
@@ -129,7 +139,11 @@ def test_scaling_from_two_replicas_to_one_mid_batch_loses_nothing(ray_cluster, t
     with ray_cluster.holding():
         batch_id = submit(client, tmp_path, "scaled", 1200)
         wait_for(lambda: sum(s.completed for s in ray_cluster.shards(batch_id)) == 2 * HOLD_AFTER)  # two feeding
+        stopped = ray_cluster.holders()[1]
+        assert stopped in ray_cluster.holding_now(batch_id)
         assert ray.get(ray_cluster.pool.scale.remote(1)) == 1  # the second replica checkpoints, lets its shards go
+        # Released on the way down, not left to run out: no shard is still held by the stopped replica.
+        assert stopped not in ray_cluster.holding_now(batch_id)
     batch = ended(client, batch_id)
     assert batch.status == "completed"
     done = {**answers(client, batch.output_file_id), **answers_or_errors(client, batch.error_file_id)}
