@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import os
 import re
 import signal
@@ -148,3 +149,18 @@ def test_default_front_ends_leave_a_core_to_each_busy_process(cores, parallel, e
     tensor, pipeline, data = parallel
     busy = frontends.engine_processes(tensor_parallel=tensor, pipeline_parallel=pipeline, data_parallel=data)
     assert frontends.default_count(cores, engine_processes=busy) == expected
+
+
+def test_an_exit_is_logged_with_its_code_a_group_stop_as_a_warning():
+    async def scenario() -> list[tuple[int, str]]:
+        async with fake_frontends(2) as pool:
+            records = []
+            for frontend, signum in zip(pool._frontends, (signal.SIGTERM, signal.SIGKILL), strict=True):
+                os.kill(frontend.process.pid, signum)
+                records.append(frontends.exit_record(frontend.process, f"front end {frontend.index}"))
+            return records
+
+    assert asyncio.run(scenario()) == [
+        (logging.WARNING, "front end 0 stopped by SIGTERM"),
+        (logging.ERROR, "front end 1 stopped by SIGKILL"),
+    ]

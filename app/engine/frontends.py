@@ -40,6 +40,8 @@ log = logging.getLogger("vbatch.engine")
 # From the engine's handshake to every front end's serving layer: about 30 s on 2 CPU cores, 6 s on an H200 host.
 READY_TIMEOUT_SECONDS = 120.0
 HEALTH_TIMEOUT_SECONDS = 30.0
+# A process whose exit was seen is reaped within this; the event loop waits for it only to log the exit code.
+EXIT_CODE_WAIT_SECONDS = 1.0
 # A body the serving layer raised on, as vLLM's own exception handler answers it.
 INTERNAL_ERROR = 500
 
@@ -228,13 +230,13 @@ class FrontendPool:
     def _lost(self, frontend: _Frontend) -> None:
         _unwatch(frontend.process)
         if frontend.alive:
-            log.error("front-end process %d exited (code %s)", frontend.index, frontend.process.exitcode)
+            log.log(*exit_record(frontend.process, f"front-end process {frontend.index}"))
         self._fail(frontend, EngineDead(f"front-end process {frontend.index} exited"))
         self._ready.set()  # a start that waits for it fails now, not at its timeout
 
     def _engine_exited(self, process: BaseProcess) -> None:
         _unwatch(process)
-        log.error("engine process %s exited (code %s)", process.name, process.exitcode)
+        log.log(*exit_record(process, f"engine process {process.name}"))
         self._engine_lost = True
         for frontend in self._frontends:
             self._fail(frontend, EngineDead(f"engine process {process.name} exited"))
@@ -247,6 +249,18 @@ class FrontendPool:
         for answer in pending.values():
             if not answer.done():
                 answer.set_exception(error)
+
+
+def exit_record(process: BaseProcess, name: str) -> tuple[int, str]:
+    """The level and message that log a watched process's exit. SIGTERM or SIGINT is how a service manager or a
+    Ctrl-C stops the whole process group, so those are warnings; any other exit is an error."""
+    with contextlib.suppress(AssertionError):  # join() asserts that we are the parent; the code is then unknown
+        process.join(EXIT_CODE_WAIT_SECONDS)  # the sentinel is readable before the child is reaped
+    code = process.exitcode
+    if code is None or code >= 0:
+        return logging.ERROR, f"{name} exited (code {code})"
+    stopped = -code in (signal.SIGTERM, signal.SIGINT)
+    return (logging.WARNING if stopped else logging.ERROR), f"{name} stopped by {signal.Signals(-code).name}"
 
 
 def _unwatch(process: BaseProcess) -> None:
