@@ -8,6 +8,7 @@ import asyncio
 import functools
 import json
 import logging
+import multiprocessing.connection
 import os
 import re
 import signal
@@ -157,6 +158,7 @@ def test_an_exit_is_logged_with_its_code_a_group_stop_as_a_warning():
             records = []
             for frontend, signum in zip(pool._frontends, (signal.SIGTERM, signal.SIGKILL), strict=True):
                 os.kill(frontend.process.pid, signum)
+                assert multiprocessing.connection.wait([frontend.process.sentinel], 30)  # what the pool watches
                 records.append(frontends.exit_record(frontend.process, f"front end {frontend.index}"))
             return records
 
