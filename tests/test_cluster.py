@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import ray
+from sqlalchemy import Engine
 
 from app import cluster
 from app.core import failpoints
@@ -58,21 +59,23 @@ class RayCluster:
     def holders(self) -> list[str]:
         return ray.get(self.pool.holders.remote())
 
-    def shards(self, batch_id: str) -> list:
+    @contextmanager
+    def database(self) -> Iterator[Engine]:
         db = make_engine(self.database_url)
         try:
-            return batches.shards_of(db=db, batch_id=batch_id)
+            yield db
         finally:
             db.dispose()
 
+    def shards(self, batch_id: str) -> list:
+        with self.database() as db:
+            return batches.shards_of(db=db, batch_id=batch_id)
+
     def holding_now(self, batch_id: str) -> set[str | None]:
         """Who holds the batch and its shards now."""
-        db = make_engine(self.database_url)
-        try:
+        with self.database() as db:
             rows = [batches.get(db=db, batch_id=batch_id, owner=None), *batches.shards_of(db=db, batch_id=batch_id)]
-            return {row.lease_holder for row in rows}
-        finally:
-            db.dispose()
+        return {row.lease_holder for row in rows}
 
 
 @pytest.fixture
@@ -111,11 +114,8 @@ def test_two_replicas_run_ten_batches_once_each(ray_cluster, tmp_path):
     assert {batch.status for batch in done} == {"completed"}
     for n, batch in enumerate(done):
         assert answers(client, batch.output_file_id) == single_process_answers(tmp_path / f"alone{n}", f"b{n}", 20)
-    db = make_engine(ray_cluster.database_url)
-    try:
+    with ray_cluster.database() as db:
         ran_on = {batches.get(db=db, batch_id=batch_id, owner=None).lease_holder for batch_id in ids}
-    finally:
-        db.dispose()
     assert ran_on == set(ray_cluster.holders())  # both replicas ran some
 
 
