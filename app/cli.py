@@ -141,8 +141,11 @@ def _settings(args: argparse.Namespace) -> Settings:
 def _run_app(app, settings: Settings) -> None:
     import uvicorn
 
+    from app.core.orphans import no_orphans
+
     log.info("vbatch on http://%s:%d, data in %s", settings.host, settings.port, settings.data_dir.resolve())
-    uvicorn.run(app, **server_options(settings))
+    with no_orphans():
+        uvicorn.run(app, **server_options(settings))
 
 
 def _engine_factory(args: argparse.Namespace) -> EngineFactory:
@@ -200,7 +203,12 @@ def run(argv: list[str]) -> None:
     _prepare_engine_args(argv, args, settings)
     output = Path(args.output_file)
     errors = Path(args.error_file) if args.error_file else output.with_name(f"{output.stem}.errors.jsonl")
-    code = asyncio.run(run_file(_engine_factory(args), input_path=Path(args.input_file), output=output, errors=errors))
+    from app.core.orphans import no_orphans
+
+    with no_orphans():
+        code = asyncio.run(
+            run_file(_engine_factory(args), input_path=Path(args.input_file), output=output, errors=errors)
+        )
     sys.exit(code)
 
 

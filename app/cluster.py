@@ -19,6 +19,7 @@ import os
 import signal
 import threading
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -53,11 +54,15 @@ class Replica:
 
         from app.cli import server_options
         from app.core import logs
+        from app.core.orphans import no_orphans
 
         logs.configure(Settings().log_format)
         self.app, settings = build(argv)
         options = {**server_options(settings), "port": 0}
         self.server = uvicorn.Server(uvicorn.Config(self.app, **options))
+        # Ray kills a stopped or lost actor's process outright: the reaper ends the engine it started.
+        self.ending = ExitStack()
+        self.ending.enter_context(no_orphans())
         self.thread = threading.Thread(target=self.server.run, name="vbatch-worker", daemon=True)
         self.thread.start()
 
@@ -69,6 +74,7 @@ class Replica:
         """As on SIGTERM: no batch starts, running ones checkpoint, leases are released; returns once it is down."""
         self.server.should_exit = True
         self.thread.join()
+        self.ending.close()
 
 
 class Pool:
