@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from app.domain.validation import Limits, validate_file
@@ -94,10 +95,64 @@ def test_blank_lines_and_crlf_and_bom_keep_line_numbers(tmp_path):
     assert check(tmp_path, rows) == [("invalid_json_line", 3)]
 
 
-def test_deep_nesting_is_an_error_not_a_crash(tmp_path):
-    deep = b"[" * 100_000 + b"]" * 100_000 + b"\n"
-    limits = Limits(**{**LIMITS.__dict__, "max_line_bytes": 1 << 20})
-    assert check(tmp_path, [deep], limits) == [("invalid_json_line", 1)]
+BIG_LINES = Limits(**{**LIMITS.__dict__, "max_line_bytes": 1 << 20})
+
+
+def nested_in_body(levels: int, custom_id: str = "a") -> bytes:
+    """A request whose body holds `levels` nested arrays: built as bytes, since json.dumps recurses too."""
+    head = json.dumps(line(custom_id)).encode()[:-2]  # without the body's and the line's closing braces
+    return head + b', "extra": ' + b"[" * levels + b"]" * levels + b"}}\n"
+
+
+def test_nesting_past_what_python_parses_is_nesting_too_deep_with_its_line(tmp_path):
+    rows = [line("z"), nested_in_body(5_000), b"[" * 100_000 + b"]" * 100_000 + b"\n", nested_in_body(100_000, "b")]
+    assert check(tmp_path, rows, BIG_LINES) == [
+        ("nesting_too_deep", 2),
+        ("nesting_too_deep", 3),
+        ("nesting_too_deep", 4),
+    ]
+
+
+def test_nesting_is_measured_at_the_limit_and_outside_strings(tmp_path):
+    # The line and its body are two levels: 62 more is 64, the limit.
+    at_limit, past_limit = nested_in_body(62, "a"), nested_in_body(63, "b")
+    brackets_in_text = line("c", body={"model": "m", "messages": [{"role": "user", "content": '[{\\"' * 1000}]})
+    assert check(tmp_path, [at_limit, past_limit, brackets_in_text], BIG_LINES) == [("nesting_too_deep", 2)]
+
+
+def test_an_unclosed_deep_line_is_nesting_too_deep_and_cheap(tmp_path):
+    started = time.perf_counter()
+    assert check(tmp_path, [b'{"custom_id": "a", "body": ' + b"{" * 500_000 + b"\n"], BIG_LINES) == [
+        ("nesting_too_deep", 1)
+    ]
+    assert time.perf_counter() - started < 2
+
+
+def test_a_lone_surrogate_anywhere_in_a_line_is_invalid_unicode_with_its_line_and_field(tmp_path):
+    rows = [
+        line("ok"),
+        line("\ud800"),
+        line("b", body={"model": "m", "messages": [{"role": "user", "content": "x\udc00"}]}),
+        line("c", body={"model": "m", "\udbff": 1}),
+        {**line("d"), "\udfff": "x"},
+    ]
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in rows))
+    errors = validate_file(path, LIMITS).errors
+    assert [(e.code, e.line, e.param) for e in errors] == [
+        ("invalid_unicode", 2, "custom_id"),
+        ("invalid_unicode", 3, "body"),
+        ("invalid_unicode", 4, "body"),
+        ("invalid_unicode", 5, None),
+    ]
+    for error in errors:  # the report itself must be storable and servable as UTF-8
+        error.model_dump_json().encode()
+
+
+def test_paired_surrogates_and_escaped_backslashes_are_text(tmp_path):
+    emoji = line("\U0001f600", body={"model": "m", "messages": [{"role": "user", "content": "\U0001f600 caf\u00e9"}]})
+    literal_backslash_u = line("\\ud800")  # a backslash, then 'ud800': no surrogate
+    assert check(tmp_path, [emoji, literal_backslash_u]) == []
 
 
 def test_missing_model_uses_the_served_one(tmp_path):

@@ -1,4 +1,4 @@
-"""Named points where a fault-injection test makes vbatch die or wait, to prove recovery from that moment.
+"""Named points where a fault-injection test makes vbatch die, wait or raise, to prove recovery from that moment.
 
 `VBATCH_FAILPOINT=<name>[,<name>...]` (tests only) arms points for the life of the process: the environment is
 read once, at import. Unarmed, a point is a lookup in an empty set, and the wrappers below are not installed.
@@ -26,8 +26,15 @@ POISON_USER = "vbatch-poison"
 # A test that must act on a batch mid-run (kill, cancel, SIGTERM) holds it there, however fast the engine is.
 HOLD_AFTER = "hold_after"
 HOLD_FILE = "failpoint-hold"
+# These raise `FailpointError` where an ending can fail on what a batch holds, to prove every batch still ends.
+UNFINISHED_LINES_RAISE = "unfinished_lines_raise"  # writing the error lines of requests that never ran
+PUBLISH_RAISES = "publish_raises"  # publishing a finished batch's result files
 
 Item = TypeVar("Item")
+
+
+class FailpointError(RuntimeError):
+    pass
 
 
 class Failpoints:
@@ -41,6 +48,10 @@ class Failpoints:
 
     def armed(self, name: str) -> bool:
         return name in self.points
+
+    def raise_here(self, name: str) -> None:
+        if name in self.points:
+            raise FailpointError(f"failpoint {name}")
 
     def crash_here(self, name: str) -> None:
         if name not in self.points:

@@ -128,7 +128,13 @@ def line_for(outcome: Outcome) -> bytes:
 
 
 def _compact(value: object) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode()
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        # A lone surrogate (validation refuses them, but a result may come from elsewhere) has no UTF-8 form; as a
+        # \u escape it is the same JSON value, and a writer that raised here would leave its batch never ending.
+        return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
 
 
 def add_usage(progress: Progress, usage: dict) -> None:

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
+from itertools import accumulate
 from pathlib import Path
 
 from app.core.config import Settings
@@ -150,6 +152,7 @@ def _check_line(number: int, line: bytes, limits: Limits, seen_ids: set[str], re
 class _Unparsed(Enum):
     NOT_UTF8 = "not_utf8"
     NOT_JSON = "not_json"
+    TOO_DEEP = "too_deep"
 
 
 def _reject_constant(name: str) -> object:
@@ -161,27 +164,64 @@ def _parse(line: bytes) -> object:
         text = line.decode("utf-8")
     except UnicodeDecodeError:
         return _Unparsed.NOT_UTF8
+    # Measured on the bytes, before parsing: Python's parser recurses once a level and gives up near 1,000 levels
+    # with a RecursionError that says nothing of why.
+    if _may_nest_too_deep(line) and _nesting_depth(line) > MAX_JSON_DEPTH:
+        return _Unparsed.TOO_DEEP
     try:
         return json.loads(text, parse_constant=_reject_constant)
-    except (ValueError, RecursionError):
+    except RecursionError:  # the scan bounds what the parser sees; this only guards a stack already nearly spent
+        return _Unparsed.TOO_DEEP
+    except ValueError:
         return _Unparsed.NOT_JSON
 
 
 def _may_nest_too_deep(line: bytes) -> bool:
-    """Each level of nesting opens a bracket: a line with few (every real request) needs no walk of its tree."""
+    """Each level of nesting opens a bracket: a line with few (every real request) needs no scan."""
     return line.count(b"{") + line.count(b"[") > MAX_JSON_DEPTH
 
 
-def _depth(value: object) -> int:
-    """Nesting depth of parsed JSON, without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_JSON_DEPTH:
-                stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
-    return deepest
+# Opening brackets become 1 and closing ones -1 (as signed bytes); every other byte is dropped.
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(set(range(256)) - set(b"[{]}"))
+
+
+def _nesting_depth(line: bytes) -> int:
+    """The deepest nesting of brackets outside strings, in a few linear passes over the bytes (nothing recursive,
+    nothing that backtracks). Escaped backslashes go first, then escaped quotes; every other run between the quotes
+    left is a string."""
+    unescaped = line.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside_strings = b"".join(unescaped.split(b'"')[::2])
+    steps = memoryview(outside_strings.translate(_BRACKET_STEPS, _NOT_BRACKETS)).cast("b")
+    return max(accumulate(steps), default=0)
+
+
+# Only a \uD800-\uDFFF escape can put a surrogate in a parsed string (a valid pair becomes one character, and
+# UTF-8 bytes never decode to one): a line without such an escape is not searched.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+_LONE_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def _lone_surrogate_field(request: dict, line: bytes) -> str | None:
+    """The top-level field whose name or value (any string in it, keys included) holds a lone surrogate, or None."""
+    if not _SURROGATE_ESCAPE.search(line):
+        return None
+    return next((name for name, value in request.items() if _holds_lone_surrogate([name, value])), None)
+
+
+def _holds_lone_surrogate(value: object) -> bool:
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            if _LONE_SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return False
 
 
 Problem = tuple[str, str, str | None]
@@ -190,12 +230,20 @@ Problem = tuple[str, str, str | None]
 def _syntax_problem(request: object, line: bytes) -> Problem | None:
     if request is _Unparsed.NOT_UTF8:
         return "invalid_utf8", "This line is not valid UTF-8 text.", None
+    if request is _Unparsed.TOO_DEEP:
+        return "nesting_too_deep", f"This line nests JSON deeper than {MAX_JSON_DEPTH} levels.", None
     if request is _Unparsed.NOT_JSON:
         return "invalid_json_line", "This line is not parseable as valid JSON.", None
     if not isinstance(request, dict):
         return "invalid_json_line", "Each line must be a JSON object (a request), not another JSON value.", None
-    if _may_nest_too_deep(line) and _depth(request) > MAX_JSON_DEPTH:
-        return "nesting_too_deep", f"This line nests JSON deeper than {MAX_JSON_DEPTH} levels.", None
+    # Before any check that quotes the line's text: a lone surrogate has no UTF-8 form, in an error message or a
+    # result line.
+    surrogate_field = _lone_surrogate_field(request, line)
+    if surrogate_field is not None:
+        param = surrogate_field if surrogate_field in REQUEST_FIELDS else None
+        where = f"'{param}'" if param else "A field"
+        message = f"{where} holds a lone surrogate (an unpaired \\ud800-\\udfff escape): that is not Unicode text."
+        return "invalid_unicode", message, param
     unknown = sorted(set(request) - set(REQUEST_FIELDS))
     if unknown:
         return "unknown_parameter", f"Unknown field '{unknown[0]}': a line has only {_fields()}.", unknown[0]

@@ -3,7 +3,8 @@
 A run ends its batch itself (`publish`). When it cannot, because the disk filled up under it, or it raised
 something unexpected, or it outlived its completion window, `end_from_checkpoint` ends the batch with what its
 last checkpoint holds: those lines are in its output and error files, nothing is lost that was counted, and the
-batch stops holding a slot of its key's active-batch limit.
+batch stops holding a slot of its key's active-batch limit. `end_overdue`, the watchdog's, ends it even when
+that raises: whatever its lines hold, a batch ends.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Callable, Coroutine, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,7 @@ from app.core.disk import is_disk_full
 from app.core.ids import new_id
 from app.core.storage import ResultAppender, Storage
 from app.domain import batches, files
+from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
 from app.domain.lifecycle import TERMINAL, BatchStatus
@@ -37,6 +40,16 @@ DISK_FULL = BatchError(
     code="insufficient_storage",
     message="The server's disk filled up while this batch ran. The requests that finished before are in its output "
     "and error files; submit the others again once there is space.",
+)
+RESULTS_NOT_WRITTEN = BatchError(
+    code="results_not_written",
+    message="This batch's results could not be written when it ended. The requests that finished before its last "
+    "checkpoint are in its output and error files; submit the others again.",
+)
+NO_RESULTS_WRITTEN = BatchError(
+    code="results_not_written",
+    message="This batch's results could not be written when it ended, so it has no output or error file; submit its "
+    "requests again.",
 )
 
 
@@ -56,6 +69,7 @@ async def publish(
     """Close the sink, give each non-empty part a File row, end the batch with them (under `lease`, if it still
     holds), then drop its run files."""
     await sink.close()
+    failpoints.ARMED.raise_here(failpoints.PUBLISH_RAISES)
     output = await _result_file(storage, settings, row, sink.output, "output")
     error = await _result_file(storage, settings, row, sink.errors, "error")
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
@@ -124,10 +138,11 @@ async def end_from_checkpoint(
     status: BatchStatus,
     errors: Sequence[BatchError],
     lease: Lease | None = None,
+    fill_unfinished: bool = True,
 ) -> None:
     """End the batch as `status` (cancelled if it was being cancelled) with the results its checkpoint counts.
-    Unless the disk is full, the lines that never ran get their error line, as at any cancel or expiry. Under
-    `lease`, the part files are that lease's, begun from the checkpoint's."""
+    Unless the disk is full (or not `fill_unfinished`), the lines that never ran get their error line, as at any
+    cancel or expiry. Under `lease`, the part files are that lease's, begun from the checkpoint's."""
     row = batches.get(db=db, batch_id=batch_id, owner=None)
     if row.status in TERMINAL:
         return
@@ -137,33 +152,97 @@ async def end_from_checkpoint(
         status = BatchStatus.COMPLETED  # every line had its result already
     index = await _index(storage, batch_id)
     sink = await _sink_at_checkpoint(storage, row, index, lease)
-    if index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
-        record_unfinished(sink, index, status)
-        try:
-            storage.check_room()
-            await sink.checkpoint()
-        except Exception as exc:
-            if not is_disk_full(exc):
-                raise
-            storage.reserve.release()
-            await sink.abandon()
-            sink = await _sink_at_checkpoint(storage, row, index, lease)  # back to what the checkpoint holds
+    try:
+        if fill_unfinished and index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
+            sink = await _with_unfinished(storage, row, index, lease, sink, status)
+        await publish(
+            db=db,
+            storage=storage,
+            settings=settings,
+            row=row,
+            sink=sink,
+            status=status,
+            timeline={},
+            errors=errors,
+            lease=lease,
+        )
+    except BaseException:
+        await sink.abandon()  # its files closed now: the next try opens them again, cut back to the checkpoint
+        raise
     log.error("batch %s: ended from its last checkpoint as %s", batch_id, status)
-    await publish(
+
+
+async def _with_unfinished(
+    storage: Storage, row: BatchRow, index: InputIndex, lease: Lease | None, sink: ResultSink, status: BatchStatus
+) -> ResultSink:
+    """`sink` with the error lines of the requests that never ran written; with the disk full, a sink back at the
+    checkpoint instead."""
+    record_unfinished(sink, index, status)
+    try:
+        storage.check_room()
+        await sink.checkpoint()
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        storage.reserve.release()
+        await sink.abandon()
+        return await _sink_at_checkpoint(storage, row, index, lease)
+    return sink
+
+
+async def end_overdue(
+    *, db: Engine, storage: Storage, settings: Settings, batch_id: str, lease: Lease | None, quiet: bool
+) -> bool:
+    """The watchdog's ending, which no line can stop: expired from the checkpoint, with an error line for each
+    request that never ran; if that raises, failed (or cancelled) with only the checkpoint's results; if even that
+    raises, with no result files, which takes nothing but a database write. False only when that write failed too;
+    each failure is logged with its traceback unless `quiet` (a batch already tried)."""
+    common: dict[str, Any] = {"db": db, "storage": storage, "settings": settings, "batch_id": batch_id, "lease": lease}
+    expired = partial(end_from_checkpoint, **common, status=BatchStatus.EXPIRED, errors=())
+    failed = partial(
+        end_from_checkpoint, **common, status=BatchStatus.FAILED, errors=[RESULTS_NOT_WRITTEN], fill_unfinished=False
+    )
+    bare = partial(end_without_results, db=db, storage=storage, batch_id=batch_id, lease=lease)
+    endings = (("as expired", expired), ("with its checkpoint's results", failed), ("without result files", bare))
+    for how, end in endings:
+        try:
+            await end()
+        except Exception:
+            if not quiet:
+                log.exception("batch %s: the watchdog could not end it %s", batch_id, how)
+        else:
+            return True
+    return False
+
+
+async def end_without_results(*, db: Engine, storage: Storage, batch_id: str, lease: Lease | None) -> None:
+    """End the batch failed (cancelled, if it was being cancelled) with no result files and no counts, saying so;
+    its run files go if they can (the sweep at the next start takes what is left)."""
+    row = batches.get(db=db, batch_id=batch_id, owner=None)
+    if row.status in TERMINAL:
+        return
+    status = BatchStatus.CANCELLED if row.status == BatchStatus.CANCELLING else BatchStatus.FAILED
+    batches.publish(
         db=db,
-        storage=storage,
-        settings=settings,
-        row=row,
-        sink=sink,
-        status=status,
+        batch_id=batch_id,
+        to=status,
+        output=None,
+        error=None,
+        progress=Progress(),
         timeline={},
-        errors=errors,
+        errors=[NO_RESULTS_WRITTEN],
         lease=lease,
     )
+    log.error("batch %s: ended %s without result files", batch_id, status)
+    try:
+        await _unstoppable(_delete_all(storage, run_files(row.id, row.lease_token)))
+    except Exception:
+        log.warning("batch %s: its run files could not be deleted; the next start removes them", batch_id)
 
 
 def record_unfinished(sink: ResultSink, index: InputIndex, status: BatchStatus) -> None:
     """The lines that never ran get their error line, by custom_id from the index: the input is not read."""
+    failpoints.ARMED.raise_here(failpoints.UNFINISHED_LINES_RAISE)
     if status == BatchStatus.CANCELLED:
         code, message = "batch_cancelled", CANCELLED_MESSAGE
     else:

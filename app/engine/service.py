@@ -25,12 +25,11 @@ from app.core.db import work_announcements
 from app.core.storage import Storage
 from app.domain import batches, leases, workers
 from app.domain.leases import Lease, LeaseLost
-from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.context import Context
-from app.engine.ending import end_from_checkpoint
+from app.engine.ending import end_overdue
 from app.engine.live import LiveEngine
 from app.engine.runner import run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave
@@ -69,6 +68,8 @@ class EngineService:
         self.scheduler_error: str | None = None
         # Batches whose run raised something unexpected: not retried in a loop, picked up again at the next start.
         self._broken: set[str] = set()
+        # Overdue batches the watchdog could not end at all (no database write went through): tried again quietly.
+        self._unended: set[str] = set()
         # The batches this service holds (`app.domain.leases`), by id; renewed at every look for work.
         self.holder = leases.holder_name()
         self.leases: dict[str, Lease] = {}
@@ -295,24 +296,28 @@ class EngineService:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             self._broken.discard(row.id)
+            await self._end_overdue(db, storage, settings, row.id)
+        return [row for row in rows if row not in overdue]
+
+    async def _end_overdue(self, db: Engine, storage: Storage, settings: Settings, batch_id: str) -> None:
+        """Whatever its lines hold, the batch ends (`end_overdue`); only a database that takes no write leaves it
+        active, to be tried again at every look, logged the first time only."""
+        quiet = batch_id in self._unended
+        if not quiet:
             log.error(
                 "batch %s: still active %s s after its window; the watchdog ends it",
-                row.id,
+                batch_id,
                 settings.watchdog_grace_seconds,
             )
-            try:
-                await end_from_checkpoint(
-                    db=db,
-                    storage=storage,
-                    settings=settings,
-                    batch_id=row.id,
-                    status=BatchStatus.EXPIRED,
-                    errors=(),
-                    lease=self.leases.get(row.id),
-                )
-            except Exception:
-                log.exception("batch %s: the watchdog could not end it; it tries again", row.id)
-        return [row for row in rows if row not in overdue]
+        lease = self.leases.get(batch_id)
+        ended = await end_overdue(
+            db=db, storage=storage, settings=settings, batch_id=batch_id, lease=lease, quiet=quiet
+        )
+        if ended:
+            self._unended.discard(batch_id)
+        elif not quiet:
+            log.error("batch %s: the watchdog could not end it; it tries again every %s s", batch_id, POLL_SECONDS)
+            self._unended.add(batch_id)
 
     async def _hold(self, db: Engine, settings: Settings) -> list[BatchRow]:
         """Renew this service's leases, stop the runs of those it lost, and claim the batches no one holds: the
