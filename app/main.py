@@ -11,21 +11,20 @@ import asyncio
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from enum import StrEnum
 
 from fastapi import FastAPI, Request
-from fastapi.staticfiles import StaticFiles
 from sqlalchemy.engine import Engine
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app import __version__
 from app.api import batches as batch_routes
 from app.api import files as file_routes
 from app.api import system as system_routes
-from app.api.errors import document_errors, install_error_handlers
-from app.api.guard import RequestGuard
-from app.console import CONSOLE_STATIC
+from app.api.errors import UNEXPECTED, document_errors, install_error_handlers, log_unexpected, respond
+from app.api.guard import HostRule, RequestGuard
 from app.console import routes as console_routes
 from app.console.sessions import SessionSigner, load_secret
 from app.core import clock
@@ -56,6 +55,28 @@ REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) -> FastAPI:
+    docs = settings.api_docs  # Swagger UI and ReDoc load their scripts from a public CDN onto this origin
+    app = FastAPI(
+        title="vbatch",
+        version=__version__,
+        description="OpenAI-compatible Files and Batch API over a live vLLM engine.",
+        lifespan=_lifespan(settings, engine, role),
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+    )
+    app.state.settings = settings
+    app.state.keys = KeyRing(settings.read_api_keys())
+    app.state.engine = engine
+    app.state.metrics = Metrics()
+    app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
+    _add_middleware(app, settings)
+    install_error_handlers(app)
+    document_errors(app)
+    _include_routes(app, role)
+    return app
+
+
+def _lifespan(settings: Settings, engine: EngineView, role: Role) -> Callable[[FastAPI], AbstractAsyncContextManager]:
     endpoints = endpoints_from(settings)  # a malformed webhook setting stops the start, not the first event
     alone = role == Role.SERVE
 
@@ -97,53 +118,73 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
             claim.close()
             app.state.db.dispose()
 
-    app = FastAPI(
-        title="vbatch",
-        version=__version__,
-        description="OpenAI-compatible Files and Batch API over a live vLLM engine.",
-        lifespan=lifespan,
-    )
-    app.state.settings = settings
-    app.state.keys = KeyRing(settings.read_api_keys())
+    return lifespan
+
+
+def _add_middleware(app: FastAPI, settings: Settings) -> None:
+    """The guard, inside the request log (added last, so outermost): its refusals are logged and carry ids too."""
+    keys: KeyRing = app.state.keys
     app.add_middleware(
         RequestGuard,
-        keys=app.state.keys,
+        keys=keys,
+        hosts=HostRule.of_service(listed=settings.allowed_hosts, served_on=settings.host, keys=keys.enabled),
         max_json_bytes=settings.max_json_body_bytes,
         body_grace=settings.header_timeout_seconds,
         min_body_rate=settings.min_body_bytes_per_second,
     )
-    app.state.engine = engine
-    app.state.metrics = Metrics()
-    app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
-    install_error_handlers(app)
-    document_errors(app)
+    app.add_middleware(RequestLog)
 
-    @app.middleware("http")
-    async def request_log(request: Request, call_next):
-        """One record per request, under the client's `x-request-id` when it sent a sane one (echoed back)."""
-        request_id = _client_request_id(request.headers.get("x-request-id")) or new_id("req_")
-        started = time.perf_counter()
-        response = await call_next(request)
-        response.headers["x-request-id"] = request_id
-        fields = {
-            "request_id": request_id,
-            "method": request.method,
-            "path": request.url.path,
-            "status": response.status_code,
-            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
-        }
-        access_log.info("%s %s %d", request.method, request.url.path, response.status_code, extra=fields)
-        return response
 
+def _include_routes(app: FastAPI, role: Role) -> None:
     if role == Role.WORKER:
         app.include_router(system_routes.router)
-        return app
+        return
     app.include_router(file_routes.router)
     app.include_router(batch_routes.router)
     app.include_router(system_routes.router)
     app.include_router(console_routes.router)
-    app.mount("/console/static", StaticFiles(directory=CONSOLE_STATIC), name="console-static")
-    return app
+
+
+class RequestLog:
+    """One access record per request, under the client's `x-request-id` when it sent a sane one (echoed back), else
+    a new one. An exception no handler took is logged here, once with its traceback, and answered with the 500
+    envelope: it goes no further, where Starlette and uvicorn would log it again (and this record would be lost)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        request_id = _client_request_id(request.headers.get("x-request-id")) or new_id("req_")
+        started = time.perf_counter()
+        status: int | None = None
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id.encode())]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            log_unexpected(request.method, request.url.path, exc)
+            if status is None:
+                await respond(UNEXPECTED)(scope, receive, send_with_id)
+            status = 500  # a body cut short is the server's failure too
+        fields = {
+            "request_id": request_id,
+            "method": request.method,
+            "path": request.url.path,
+            "status": status or 500,  # none sent: uvicorn answers 500
+            "duration_ms": round((time.perf_counter() - started) * 1000, 1),
+        }
+        access_log.info("%s %s %d", request.method, request.url.path, fields["status"], extra=fields)
 
 
 def metrics_state(db: Engine, engine: EngineView) -> State:

@@ -17,6 +17,9 @@ from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine, LocalPostgres, LocalS3
 
+# TestClient's requests name the host "testserver", which the Host rule (`app.api.guard.HostRule`) would refuse.
+os.environ.setdefault("VBATCH_ALLOWED_HOSTS", "testserver")
+
 
 def pytest_generate_tests(metafunc):
     backends = getattr(metafunc.module, "BACKENDS", None)

@@ -61,7 +61,7 @@ def upload_request(body: bytes, declared: int | None = None) -> tuple[bytes, byt
         + f"\r\n--{BOUNDARY}--\r\n".encode()
     )
     head = (
-        f"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
+        f"POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: multipart/form-data; boundary={BOUNDARY}\r\n"
         f"Content-Length: {declared or len(form)}\r\n\r\n"
     ).encode()
     return head, form

@@ -34,7 +34,7 @@ def form_head(purpose: str | None) -> bytes:
 
 def request_head(extra: str) -> bytes:
     return (
-        "POST /v1/files HTTP/1.1\r\nHost: test\r\n"
+        "POST /v1/files HTTP/1.1\r\nHost: 127.0.0.1\r\n"
         f"Content-Type: multipart/form-data; boundary={BOUNDARY}\r\n{extra}\r\n"
     ).encode()
 
@@ -116,7 +116,7 @@ def test_no_filename_becomes_a_path(settings, tmp_path, filename):
 
 
 def raw_request(path: str, headers: str) -> bytes:
-    return f"POST {path} HTTP/1.1\r\nHost: test\r\n{headers}\r\n".encode()
+    return f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n".encode()
 
 
 def test_a_stranger_is_refused_before_the_body_is_read(tmp_path):

@@ -6,24 +6,36 @@ Two limits on uvicorn's own HTTP protocol: a request's headers must be in within
 connection (or of the previous response), and one address holds at most `max_per_client` connections (0: any
 number; behind a reverse proxy every client has the proxy's address, so the proxy limits instead). A body that
 comes too slowly is the request guard's (`app.api.guard`): it needs the request.
+
+A request uvicorn cannot parse (a malformed request line or header, bytes that are not ASCII in the URL, a URL or
+headers past the parser's limits) gets the error envelope here, where uvicorn would answer a plain-text 400.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import sys
 from collections import Counter
+from http import HTTPStatus
 from typing import Any
 
 from uvicorn.config import HTTP_PROTOCOLS
 from uvicorn.importer import import_from_string
 
+from app.api.errors import APIError
+from app.core.ids import new_id
+
 log = logging.getLogger("vbatch.api")
+# httptools parses a URL's parts into 16-bit lengths: a longer URL is refused whole.
+HTTPTOOLS_MAX_URL_BYTES = 0xFFFF
+H11_DEFAULT_MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size, unless uvicorn is told otherwise
 
 
-def guarded_protocol(*, header_timeout: float, max_per_client: int) -> type[asyncio.Protocol]:
-    """uvicorn's own HTTP protocol (httptools where installed, else h11) with both limits."""
-    base: Any = import_from_string(HTTP_PROTOCOLS["auto"])
+def guarded_protocol(*, header_timeout: float, max_per_client: int, parser: str = "auto") -> type[asyncio.Protocol]:
+    """uvicorn's own HTTP protocol (`parser`: "auto" is httptools where installed, else h11) with both limits."""
+    base: Any = import_from_string(HTTP_PROTOCOLS[parser])
     open_by_host: Counter[str] = Counter()
 
     class GuardedProtocol(base):
@@ -60,6 +72,23 @@ def guarded_protocol(*, header_timeout: float, max_per_client: int) -> type[asyn
                 self._header_timer.cancel()
             self._header_timer = self.loop.call_later(header_timeout, self._headers_late, self.cycle)
 
+        def send_400_response(self, msg: str) -> None:
+            """uvicorn calls this while handling the parse error (either parser's), which says what went wrong."""
+            error = _unparsable(self._too_long(sys.exc_info()[1]))
+            self.transport.write(_raw_response(error, self.server_state.default_headers))
+            self.transport.close()
+
+        def _too_long(self, exc: BaseException | None) -> int | None:
+            """414 or 431 when the request failed for its size, else None."""
+            conn = getattr(self, "conn", None)
+            if conn is None:  # httptools
+                return 414 if len(getattr(self, "url", b"")) > HTTPTOOLS_MAX_URL_BYTES else None
+            # h11: a request line and headers that outgrew its buffer; the URL did if the request line alone does.
+            if getattr(exc, "error_status_hint", None) != 431:
+                return None
+            limit = self.config.h11_max_incomplete_event_size or H11_DEFAULT_MAX_HEAD_BYTES
+            return 414 if len(conn.trailing_data[0].partition(b"\n")[0]) > limit else 431
+
         def _headers_late(self, cycle_before: Any) -> None:
             """No request has begun since `cycle_before` ended (or since the connection, if None)."""
             idle = cycle_before is None or cycle_before.response_complete
@@ -67,3 +96,24 @@ def guarded_protocol(*, header_timeout: float, max_per_client: int) -> type[asyn
                 self.transport.close()
 
     return GuardedProtocol
+
+
+def _unparsable(too_long: int | None) -> APIError:
+    if too_long == 414:
+        return APIError(414, "The request URL is too long.", code="url_too_long")
+    if too_long == 431:
+        return APIError(431, "The request's headers are too large.", code="headers_too_large")
+    return APIError(400, "The request is not valid HTTP/1.1.", code="invalid_http_request")
+
+
+def _raw_response(error: APIError, default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    body = json.dumps(error.body()).encode()
+    head = [f"HTTP/1.1 {error.status_code} {HTTPStatus(error.status_code).phrase}".encode()]
+    head += [name + b": " + value for name, value in default_headers]
+    head += [
+        b"content-type: application/json",
+        b"content-length: " + str(len(body)).encode(),
+        b"connection: close",
+        b"x-request-id: " + new_id("req_").encode(),
+    ]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body

@@ -8,9 +8,10 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import DBAPIError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
 from app.domain.errors import DomainError, InvalidRequest, NotFound, TooManyActive, Unauthenticated
 
@@ -60,7 +61,7 @@ def from_domain(exc: DomainError) -> APIError:
     return APIError(500, exc.message, type="server_error", param=exc.param, code=exc.code)
 
 
-def _respond(error: APIError) -> JSONResponse:
+def respond(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)
 
 
@@ -104,15 +105,15 @@ def _allowed_methods(app: FastAPI, path: str) -> str:
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return _respond(exc)
+        return respond(exc)
 
     @app.exception_handler(DomainError)
     async def _domain_error(_: Request, exc: DomainError) -> JSONResponse:
-        return _respond(from_domain(exc))
+        return respond(from_domain(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return _respond(_from_validation(request, exc))
+        return respond(_from_validation(request, exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -123,24 +124,46 @@ def install_error_handlers(app: FastAPI) -> None:
         headers = dict(exc.headers or {})
         if exc.status_code == 405:
             headers["Allow"] = _allowed_methods(app, request.url.path)
-        return _respond(APIError(exc.status_code, message, type=kind, headers=headers))
+        return respond(APIError(exc.status_code, message, type=kind, headers=headers))
 
     @app.exception_handler(DiskFull)
     async def _disk_full(_: Request, exc: DiskFull) -> JSONResponse:
-        return _respond(_INSUFFICIENT_STORAGE)
+        return respond(_INSUFFICIENT_STORAGE)
 
-    @app.exception_handler(OperationalError)
-    async def _database_error(request: Request, exc: OperationalError) -> JSONResponse:
-        if not is_disk_full(exc):
-            return await _unexpected(request, exc)
-        # Room for the database to take this request when it is asked again (the SDKs retry a 5xx).
-        request.app.state.storage.reserve.release()
-        return _respond(_INSUFFICIENT_STORAGE)
+    @app.exception_handler(DBAPIError)
+    async def _database_error(request: Request, exc: DBAPIError) -> JSONResponse:
+        if is_disk_full(exc):
+            # Room for the database to take this request when it is asked again (the SDKs retry a 5xx).
+            request.app.state.storage.reserve.release()
+            return respond(_INSUFFICIENT_STORAGE)
+        reason = unavailable_reason(exc)
+        if reason is None:
+            log_unexpected(request.method, request.url.path, exc)
+            return respond(UNEXPECTED)
+        log.warning("%s %s refused: %s", request.method, request.url.path, reason)
+        return respond(database_unavailable(reason))
 
+    # The request log (`app.main.RequestLog`) answers whatever no handler took; this is the last resort behind it.
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-        return _respond(APIError(500, "The server had an error while processing your request.", type="server_error"))
+        log_unexpected(request.method, request.url.path, exc)
+        return respond(UNEXPECTED)
+
+
+def log_unexpected(method: str, path: str, exc: BaseException) -> None:
+    """The one record, with its traceback, of an exception that became a 500."""
+    log.error("%s %s failed", method, path, exc_info=exc)
+
+
+def database_unavailable(reason: str) -> APIError:
+    """503: the SDKs retry it, after `retry-after`; nothing was changed."""
+    return APIError(
+        503,
+        f"The database cannot take this request now ({reason}); nothing was changed. Try again later.",
+        type="server_error",
+        code="database_unavailable",
+        headers={"retry-after": str(DATABASE_RETRY_AFTER_SECONDS)},
+    )
 
 
 def document_errors(app: FastAPI) -> None:
@@ -166,6 +189,8 @@ def document_errors(app: FastAPI) -> None:
     app.openapi = openapi  # type: ignore[method-assign]
 
 
+DATABASE_RETRY_AFTER_SECONDS = 10
+UNEXPECTED = APIError(500, "The server had an error while processing your request.", type="server_error")
 _INSUFFICIENT_STORAGE = APIError(
     507,
     "The server is out of disk space; nothing was changed or stored. Try again later.",

@@ -1,35 +1,95 @@
-"""What is checked before a request's body is read: its key, the size of a JSON body, and the pace of any body.
+"""What is checked before a request's body is read: its URL, its Host, its key, the size of a JSON body, and the
+pace of any body.
 
 FastAPI reads and parses a JSON body before it resolves dependencies, so a key checked as a dependency comes too
 late: a stranger's 200 MB body would be read and parsed first. This guard answers 401 from the headers alone and
 bounds a JSON body (413) before the route sees it. Uploads (multipart) are bounded by `app.api.uploads` as they
 stream, after this key check. A body must keep coming: after `grace` seconds, at least `min_rate` bytes a
 second on average, or the request ends with 408 and its connection is closed (what was stored of it is removed).
+
+Without keys, the service trusts whoever reaches it, which a web page can do through DNS rebinding (its own name
+resolving to 127.0.0.1 a moment later): the browser then sends that name as `Host`. So without keys only loopback
+names, the address served on and `VBATCH_ALLOWED_HOSTS` are answered (the health probes answer any).
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import time
+from urllib.parse import unquote_to_bytes
 
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import APIError, from_domain
-from app.core.auth import KeyRing
+from app.core.auth import KeyRing, is_loopback
 from app.domain.errors import Unauthenticated
+
+HEALTH_PATHS = frozenset({"/health", "/health/ready", "/health/live"})
+OPENAPI_PATH = "/openapi.json"
 
 
 class SlowBody(Exception):
     pass
 
 
+class HostRule:
+    """The host names a request may name besides loopback ones (lower case, no port)."""
+
+    def __init__(self, names: frozenset[str]) -> None:
+        self.names = names
+
+    @classmethod
+    def of_service(cls, *, listed: str, served_on: str, keys: bool) -> HostRule | None:
+        """None: any host (keys guard the service, or `*` is listed)."""
+        names = {host_name(name) for name in listed.split(",") if name.strip()}
+        if "*" in names or (keys and not names):
+            return None
+        served = host_name(served_on)
+        if served and not _unspecified(served):
+            names.add(served)
+        return cls(frozenset(names))
+
+    def allows(self, host: str | None) -> bool:
+        # Only an HTTP/1.0 request can leave Host out, and no browser sends one.
+        if host is None:
+            return True
+        name = host_name(host)
+        return is_loopback(name) or name in self.names
+
+
+def host_name(host: str) -> str:
+    """A Host header's (or a setting's) name: 'Example.COM.:8000' -> 'example.com', '[::1]:8000' -> '::1'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1:].partition("]")[0]
+    if host.count(":") > 1:  # a bare IPv6 address, as a setting may give it
+        return host
+    return host.partition(":")[0].rstrip(".")
+
+
+def _unspecified(name: str) -> bool:
+    try:
+        return ipaddress.ip_address(name).is_unspecified
+    except ValueError:
+        return False
+
+
 class RequestGuard:
     def __init__(
-        self, app: ASGIApp, *, keys: KeyRing, max_json_bytes: int, body_grace: float, min_body_rate: int
+        self,
+        app: ASGIApp,
+        *,
+        keys: KeyRing,
+        hosts: HostRule | None,
+        max_json_bytes: int,
+        body_grace: float,
+        min_body_rate: int,
     ) -> None:
         self.app = app
         self.keys = keys
+        self.hosts = hosts
         self.max_json_bytes = max_json_bytes
         self.body_grace = body_grace
         self.min_body_rate = min_body_rate
@@ -76,22 +136,34 @@ class RequestGuard:
         return paced
 
     async def _check(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not scope["path"].startswith("/v1/"):
-            await self.app(scope, receive, send)
-            return
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
-        try:
-            self.keys.owner(headers.get("authorization"))
-        except Unauthenticated as exc:
-            await _refuse(from_domain(exc), scope, receive, send)
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await _refuse(refusal, scope, receive, send)
             return
-        if headers.get("content-type", "").startswith("application/json"):
+        if scope["path"].startswith("/v1/") and headers.get("content-type", "").startswith("application/json"):
             body = await self._json_body(headers, receive)
             if body is None:
                 await _refuse(self._too_large(), scope, receive, send)
                 return
             receive = _replay(body)
         await self.app(scope, receive, send)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
+        """Why the request is refused on its request line and headers alone, or None."""
+        path = scope["path"]
+        if not _utf8_url(scope):
+            return APIError(400, "The request URL is not UTF-8 once its %-escapes are decoded.", code="invalid_url")
+        if path in HEALTH_PATHS:
+            return None
+        if self.hosts is not None and not self.hosts.allows(headers.get("host")):
+            return _host_refused(headers["host"])
+        if path.startswith("/v1/") or path == OPENAPI_PATH:
+            try:
+                self.keys.owner(headers.get("authorization"))
+            except Unauthenticated as exc:
+                return from_domain(exc)
+        return None
 
     async def _json_body(self, headers: dict[str, str], receive: Receive) -> bytes | None:
         """The whole body, or None once it is known to pass the limit (declared or counted)."""
@@ -118,6 +190,26 @@ class RequestGuard:
             f"The request body is too large: JSON bodies are at most {self.max_json_bytes} bytes.",
             code="request_too_large",
         )
+
+
+def _utf8_url(scope: Scope) -> bool:
+    """Whether path and query are UTF-8 once unescaped: uvicorn decodes `%ff` to U+FFFD, a name no route knows."""
+    raw_path = scope.get("raw_path") or scope["path"].encode()
+    try:
+        unquote_to_bytes(raw_path).decode()
+        unquote_to_bytes(scope.get("query_string", b"")).decode()
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _host_refused(host: str) -> APIError:
+    return APIError(
+        400,
+        f"This service does not answer to the host {host[:100]!r}: only to loopback names, the address it serves "
+        "on and the names in VBATCH_ALLOWED_HOSTS.",
+        code="host_not_allowed",
+    )
 
 
 async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:

@@ -75,6 +75,16 @@ class Settings(BaseSettings):
     min_body_bytes_per_second: int = 16 * 1024
     # Connections one address may hold at once (0: any number; behind a reverse proxy, which limits instead).
     max_connections_per_client: int = 100
+    # Without API keys only requests naming a loopback host (localhost, 127.x, [::1]) or the address served on are
+    # answered, so that no web page reaches the service by DNS rebinding; these host names too (comma-separated;
+    # `*`: any). When given, the rule holds with keys too.
+    allowed_hosts: str = ""
+    # Swagger UI (/docs) and ReDoc (/redoc) load their scripts from a public CDN: off unless asked for.
+    api_docs: bool = False
+    # The console cookie's Secure flag. "auto": when the request came over https, which behind a TLS proxy uvicorn
+    # sees only from a proxy it trusts with X-Forwarded-Proto (uvicorn's FORWARDED_ALLOW_IPS, loopback by default);
+    # "true" for a proxy it does not trust.
+    cookie_secure: Literal["auto", "true", "false"] = "auto"
     # Webhooks (OpenAI's batch events, Standard Webhooks signatures): the service's endpoint; keys may have their
     # own in the keys file (`key url secret` on its line).
     webhook_url: str | None = None

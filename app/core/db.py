@@ -5,6 +5,7 @@ what must not change is a row that does not exist yet)."""
 from __future__ import annotations
 
 import fcntl
+import os
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -13,7 +14,7 @@ from typing import Protocol
 
 from sqlalchemy import event, text
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlmodel import Session, create_engine
 
 BUSY_TIMEOUT_MS = 10_000
@@ -157,18 +158,48 @@ def write_problem(engine: Engine) -> str | None:
     return "the database takes no writes (a read-only server or replica)" if read_only == "on" else None
 
 
+def unavailable_reason(exc: DBAPIError) -> str | None:
+    """Why a statement failed for the state of the database rather than for the statement (it takes no writes),
+    or None."""
+    orig = exc.orig
+    if isinstance(orig, sqlite3.Error):
+        readonly = getattr(orig, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_READONLY
+        return "the database takes no writes: it is read-only for this process" if readonly else None
+    if getattr(orig, "sqlstate", None) == "25006":  # read_only_sql_transaction
+        return "the database takes no writes: a read-only server or replica"
+    return None
+
+
 def _sqlite_write_problem(path: Path) -> str | None:
+    unwritable = _unwritable_sqlite_file(path)
+    if unwritable is not None:
+        return f"the database takes no writes: {unwritable} is not writable by this process"
     try:
         connection = sqlite3.connect(f"file:{path}?mode=rw", uri=True, timeout=0, isolation_level=None)
     except sqlite3.Error as exc:
         return f"the database cannot be opened ({exc})"
     try:
+        # SQLite opens a file it may not write read-only without a word, and BEGIN IMMEDIATE writes nothing: only
+        # a write finds out. It is rolled back, so nothing reaches the file.
         connection.execute("BEGIN IMMEDIATE")
+        connection.execute("CREATE TABLE vbatch_write_probe (x)")
         connection.execute("ROLLBACK")
     except sqlite3.Error as exc:
         if "locked" in str(exc) or "busy" in str(exc):
             return None
+        if exc.sqlite_errorcode & 0xFF == sqlite3.SQLITE_READONLY:
+            return f"the database takes no writes ({exc})"
         return f"the database cannot be written ({exc})"
     finally:
         connection.close()
+    return None
+
+
+def _unwritable_sqlite_file(path: Path) -> Path | None:
+    """The database, its WAL files or its directory (where SQLite makes them), if one is not writable."""
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        return path.parent
+    for file in (path, path.with_name(f"{path.name}-wal"), path.with_name(f"{path.name}-shm")):
+        if file.exists() and not os.access(file, os.W_OK):
+            return file
     return None
