@@ -12,10 +12,14 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from app.domain.results import Outcome
 
+# The label of every series about one batch: a tenant sees its own batches' series, and no other's id.
+BATCH_LABEL = "batch_id"
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
@@ -73,8 +77,33 @@ class Metrics:
         """What is true now, read at every scrape from `state`."""
         self.registry.register(_Now(state))
 
-    def exposition(self, engine_text: bytes) -> bytes:
-        return engine_text + generate_latest(self.registry)
+    def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]]) -> bytes:
+        """The engine's series, then vbatch's; of those about one batch (a `batch_id` label) only the ones whose id
+        `shown` keeps (given every such id, it returns those the caller may see)."""
+        scoped = CollectorRegistry(auto_describe=False)
+        scoped.register(_Scoped(self.registry, shown))
+        return engine_text + generate_latest(scoped)
+
+
+class _Scoped(Collector):
+    """`registry`'s series, less those about a batch that `shown` does not keep."""
+
+    def __init__(self, registry: CollectorRegistry, shown: Callable[[set[str]], set[str]]) -> None:
+        self.registry = registry
+        self.shown = shown
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.registry.collect())
+        ids = {sample.labels[BATCH_LABEL] for family in families for sample in family.samples if _about_a_batch(sample)}
+        kept = self.shown(ids) if ids else set()
+        for family in families:
+            scoped = Metric(family.name, family.documentation, family.type, family.unit)
+            scoped.samples = [s for s in family.samples if not _about_a_batch(s) or s.labels[BATCH_LABEL] in kept]
+            yield scoped
+
+
+def _about_a_batch(sample: Sample) -> bool:
+    return BATCH_LABEL in sample.labels
 
 
 class State:
@@ -113,12 +142,12 @@ class _Now(Collector):
             "vbatch_lines_waiting", "Lines of active batches without a result yet.", value=now.lines_waiting
         )
         rates = GaugeMetricFamily(
-            "vbatch_batch_requests_per_second", "Each running batch's requests a second.", labels=["batch_id"]
+            "vbatch_batch_requests_per_second", "Each running batch's requests a second.", labels=[BATCH_LABEL]
         )
         tokens = GaugeMetricFamily(
             "vbatch_batch_output_tokens_per_second",
             "Each running batch's output tokens a second.",
-            labels=["batch_id"],
+            labels=[BATCH_LABEL],
         )
         for batch_id, (requests_per_second, tokens_per_second) in sorted(now.running.items()):
             rates.add_metric([batch_id], requests_per_second)

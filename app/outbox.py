@@ -76,7 +76,11 @@ class Outbox:
         self.settings = settings
 
     async def run(self) -> None:
-        async with httpx.AsyncClient(follow_redirects=False) as client:
+        # No connection is kept for another delivery: a send connects to an address, and one kept from a delivery to
+        # another name at that address was checked (TLS) for that name, not this one.
+        async with httpx.AsyncClient(
+            follow_redirects=False, limits=httpx.Limits(max_keepalive_connections=0)
+        ) as client:
             while True:
                 try:
                     due = await asyncio.to_thread(
@@ -101,8 +105,8 @@ class Outbox:
             error, retry = "no webhook endpoint for this key", False
         else:
             try:
-                await check_destination(endpoint.url, allow_private=self.settings.webhook_allow_private)
-                error = await send(client, endpoint, event_id=event.id, body=events.payload(event))
+                addresses = await check_destination(endpoint.url, allow_private=self.settings.webhook_allow_private)
+                error = await send(client, endpoint, addresses=addresses, event_id=event.id, body=events.payload(event))
             except Refused as exc:
                 error, retry = f"refused: {exc}", False
                 log.error("webhook %s for batch %s not sent: %s", event.id, event.batch_id, exc)

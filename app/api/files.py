@@ -1,13 +1,11 @@
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import DbDep, OwnerDep, SettingsDep, StorageDep
-from app.api.errors import bad_request
 from app.api.uploads import store_upload
 from app.domain import files
 from app.domain.schemas import DeletedFile, ErrorResponse, FileList, OpenAIFile
@@ -79,13 +77,10 @@ async def delete_file(file_id: str, db: DbDep, storage: StorageDep, owner: Owner
         404: {"model": ErrorResponse},
     },
 )
-def download_file(file_id: str, db: DbDep, storage: StorageDep, owner: OwnerDep) -> StreamingResponse:
-    row = files.get(db=db, file_id=file_id, owner=owner)
-    if not storage.exists(file_id):
-        raise bad_request(f"The content of file {file_id} is not available.", param="file_id")
-    chunks: AsyncIterator[bytes] = storage.read_chunks(file_id)
+async def download_file(file_id: str, db: DbDep, storage: StorageDep, owner: OwnerDep) -> StreamingResponse:
+    content = await files.open_content(db=db, storage=storage, file_id=file_id, owner=owner)
     return StreamingResponse(
-        chunks,
+        content.chunks,
         media_type="application/octet-stream",
-        headers={"Content-Length": str(row.bytes)},
+        headers={"Content-Length": str(content.size)},
     )

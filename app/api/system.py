@@ -9,6 +9,7 @@ from app.api.deps import DbDep, EngineDep, MetricsDep, OwnerDep, SettingsDep, St
 from app.core.config import Settings
 from app.core.db import write_problem
 from app.core.storage import Storage
+from app.domain import batches
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
 from app.engine.view import EngineView
@@ -42,10 +43,13 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
         401: {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}},
     },
 )
-def metrics(registry: MetricsDep, engine: EngineDep, _: OwnerDep) -> Response:
+def metrics(registry: MetricsDep, engine: EngineDep, db: DbDep, owner: OwnerDep) -> Response:
     """Prometheus text format: the engine's `vllm:` series and vbatch's (`vbatch_*`). Needs a key when keys are
-    configured: it counts every tenant's work."""
-    text = registry.exposition(engine.metrics_text())
+    configured: the service-wide series count every tenant's work, a series about one batch (`batch_id`) is there
+    only for the caller's own batches."""
+    text = registry.exposition(
+        engine.metrics_text(), shown=lambda ids: batches.owned(db=db, batch_ids=ids, owner=owner)
+    )
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 
 

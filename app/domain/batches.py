@@ -450,3 +450,12 @@ def lines_waiting(*, db: Engine) -> int:
         waiting = func.coalesce(func.sum(BatchRow.total - BatchRow.completed - BatchRow.failed), 0)
         statement = select(waiting).where(col(BatchRow.status).in_(ACTIVE), col(BatchRow.parent_id).is_(None))
         return int(session.exec(statement).one())
+
+
+def owned(*, db: Engine, batch_ids: set[str], owner: str) -> set[str]:
+    """Those of `batch_ids` that are `owner`'s (a shard is its parent's owner's)."""
+    if not batch_ids:
+        return set()
+    with session_scope(db) as session:
+        statement = select(BatchRow.id).where(col(BatchRow.id).in_(batch_ids), col(BatchRow.owner) == owner)
+        return set(session.exec(statement).all())

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
@@ -76,6 +79,23 @@ def get(*, db: Engine, file_id: str, owner: str | None) -> FileRow:
         raise NotFound("File", file_id)
     assert row is not None
     return row
+
+
+class Content(NamedTuple):
+    row: FileRow
+    chunks: AsyncIterator[bytes]
+    size: int
+
+
+async def open_content(*, db: Engine, storage: Storage, file_id: str, owner: str | None) -> Content:
+    """The file and its bytes, opened before anyone answers with them: a delete from here on cannot cut the stream
+    short (an open file reads whole once unlinked; an object store's GET is under way). NotFound if a delete got
+    there first."""
+    row = get(db=db, file_id=file_id, owner=owner)
+    opened = await storage.open_prefix(file_id)
+    if opened is None:
+        raise NotFound("File", file_id)
+    return Content(row, *opened)
 
 
 def usable(row: FileRow | None, owner: str | None) -> bool:

@@ -1,0 +1,188 @@
+"""Where a webhook may go: every spelling of a non-public address is refused, and a delivery connects to the address
+that was checked, never to what a second lookup of the name says (DNS rebinding)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import ipaddress
+import socket
+import ssl
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+from fastapi.testclient import TestClient
+from starlette.applications import Starlette
+from starlette.routing import Route
+
+from app.core.webhooks import Endpoint, Refused, check_destination, send
+from app.engine.service import EngineService
+from app.main import create_app
+from app.testing import free_port
+from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
+from tests.test_webhooks import FINAL, SECRET, Receiver, outbox, with_webhook
+
+# Hosts that are not global unicast, in the spellings that passed the check before (the first four) and others.
+REFUSED = [
+    "[::127.0.0.1]",  # IPv4-compatible loopback
+    "224.0.0.1",  # multicast
+    "[64:ff9b::7f00:1]",  # NAT64 of loopback
+    "[2002:7f00:1::]",  # 6to4 of loopback
+    "[fec0::1]",  # site-local
+    "[ff0e::1]",  # global-scope multicast
+    "[64:ff9b::a9fe:a9fe]",  # NAT64 of the cloud metadata address
+    "[2002:a9fe:a9fe::]",  # 6to4 of the cloud metadata address
+    "[64:ff9b:1::808:808]",  # NAT64's local-use prefix
+    "[::ffff:127.0.0.1]",  # IPv4-mapped loopback
+    "[::ffff:169.254.169.254]",
+    "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",  # Teredo
+    "[::8.8.8.8]",  # IPv4-compatible: deprecated, routed nowhere
+    "127.0.0.1",
+    "[::1]",
+    "0.0.0.0",
+    "[::]",
+    "10.0.0.1",
+    "100.64.0.1",
+    "169.254.169.254",
+    "240.0.0.1",
+    "255.255.255.255",
+    "[fc00::1]",
+    "[fe80::1]",
+]
+# Public addresses, some spelt as IPv6: these go.
+ALLOWED = ["8.8.8.8", "[2606:4700::1111]", "[::ffff:8.8.8.8]", "[64:ff9b::808:808]", "[2002:808:808::1]"]
+
+# A global unicast address the test stands in for: requests to it are answered in-process, nothing is dialled.
+PUBLIC = "93.184.215.14"
+
+
+@pytest.mark.parametrize("host", REFUSED)
+def test_a_host_that_is_not_global_unicast_is_refused_in_every_spelling(host):
+    with pytest.raises(Refused, match="not a public address"):
+        asyncio.run(check_destination(f"http://{host}:8080/hook", allow_private=False))
+
+
+@pytest.mark.parametrize("host", ALLOWED)
+def test_a_public_host_is_sent_to_at_the_address_checked(host):
+    checked = asyncio.run(check_destination(f"https://{host}/hook", allow_private=False))
+    assert checked == [ipaddress.ip_address(host.strip("[]"))]
+
+
+def test_the_operator_may_allow_private_addresses():
+    checked = asyncio.run(check_destination("http://[::127.0.0.1]:8080/hook", allow_private=True))
+    assert checked == [ipaddress.ip_address("::127.0.0.1")]
+
+
+def _answers(monkeypatch, name: str, answer) -> list[str]:
+    """`name` resolves to `answer(lookups so far)` (a list of addresses); every other name as usual."""
+    real = socket.getaddrinfo
+    given: list[str] = []
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if (host.decode() if isinstance(host, bytes) else host) != name:
+            return real(host, port, *args, **kwargs)
+        addresses = answer(len(given))
+        given.extend(addresses)
+        return [found for address in addresses for found in real(address, port, *args, **kwargs)]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    return given
+
+
+def test_a_name_with_one_private_answer_among_public_ones_is_refused(monkeypatch):
+    _answers(monkeypatch, "hook.test", lambda _: [PUBLIC, "127.0.0.1"])
+    with pytest.raises(Refused, match=r"127\.0\.0\.1"):
+        asyncio.run(check_destination("http://hook.test/hook", allow_private=False))
+
+
+@pytest.fixture
+def loopback_receiver() -> Iterator[Receiver]:
+    recorder = Receiver()
+    app = Starlette(routes=[Route("/hook", recorder.hook, methods=["POST"])])
+    with serving(app, free_port()) as port:
+        recorder.url = f"http://127.0.0.1:{port}/hook"
+        yield recorder
+
+
+@pytest.fixture
+def public_receiver(monkeypatch) -> list[httpx.Request]:
+    """Requests to PUBLIC are answered here (204) and kept; every other request goes out as usual."""
+    reached: list[httpx.Request] = []
+    handle = httpx.AsyncHTTPTransport.handle_async_request
+
+    async def answering_public(transport: httpx.AsyncHTTPTransport, request: httpx.Request) -> httpx.Response:
+        if request.url.host == PUBLIC:
+            reached.append(request)
+            return httpx.Response(204)
+        return await handle(transport, request)
+
+    monkeypatch.setattr(httpx.AsyncHTTPTransport, "handle_async_request", answering_public)
+    return reached
+
+
+def test_a_name_that_rebinds_to_loopback_after_the_check_is_sent_to_the_checked_address_only(
+    settings, fake_engine, loopback_receiver, public_receiver, monkeypatch
+):
+    port = int(loopback_receiver.url.split(":")[2].split("/")[0])
+    # A rebinding DNS server: public for the first lookup, loopback (where a receiver listens) from then on.
+    lookups = _answers(monkeypatch, "hook.test", lambda count: [PUBLIC] if count == 0 else ["127.0.0.1"])
+    hook = f"http://hook.test:{port}/hook"
+    with TestClient(
+        create_app(with_webhook(settings, hook, allow_private=False), EngineService(fake_engine))
+    ) as client:
+        batch = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
+        wait_status(client, batch["id"], FINAL)
+        wait_for(lambda: [row["delivered_at"] for row in outbox(settings)] != [None])
+    assert loopback_receiver.received == []
+    [request] = public_receiver
+    assert (request.url.host, request.url.port, request.url.path) == (PUBLIC, port, "/hook")
+    assert request.headers["host"] == f"hook.test:{port}"
+    assert lookups == [PUBLIC]  # one lookup, the one that was checked
+
+
+def _certificate(directory: Path, name: str) -> tuple[Path, Path]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_file, key_file = directory / "cert.pem", directory / "key.pem"
+    cert_file.write_bytes(certificate.public_bytes(serialization.Encoding.PEM))
+    key_file.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_file, key_file
+
+
+def test_https_to_the_checked_address_uses_the_urls_name_for_sni_the_certificate_and_host(tmp_path):
+    cert_file, key_file = _certificate(tmp_path, "hook.test")
+    recorder = Receiver()
+    app = Starlette(routes=[Route("/hook", recorder.hook, methods=["POST"])])
+    loopback = [ipaddress.ip_address("127.0.0.1")]
+
+    async def deliver(url: str) -> str | None:
+        async with httpx.AsyncClient(verify=ssl.create_default_context(cafile=cert_file)) as client:
+            return await send(client, Endpoint(url, SECRET), addresses=loopback, event_id="evt_1", body="{}")
+
+    with serving(app, free_port(), ssl_certfile=str(cert_file), ssl_keyfile=str(key_file)) as port:
+        assert asyncio.run(deliver(f"https://hook.test:{port}/hook")) is None
+        refused = asyncio.run(deliver(f"https://other.test:{port}/hook"))  # same address, a name the cert lacks
+    assert refused is not None and "certificate" in refused.lower()
+    [(_, headers)] = recorder.received
+    assert headers["host"] == f"hook.test:{port}"
