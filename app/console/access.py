@@ -3,6 +3,7 @@
 Pages need a session; without keys configured one is issued on the first visit (the service then serves loopback
 only, as the API does). With keys, a visitor without a session is sent to the login page. Every request that
 changes something must carry the session's CSRF token and, where the browser sends one, an `Origin` of this host.
+A session that logged out is refused at once, in every process that shares the database.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from urllib.parse import quote, urlsplit
 
 from fastapi import Depends, Request
 
+from app.console import sessions
 from app.console.sessions import COOKIE, LIFETIME_SECONDS, Session, SessionSigner
 from app.core.auth import ANONYMOUS, KeyRing
 
@@ -41,6 +43,8 @@ def keys_of(request: Request) -> KeyRing:
 def _session(request: Request) -> Session:
     session = signer_of(request).read(request.cookies.get(COOKIE))
     if session is None or not keys_of(request).has_owner(session.owner):
+        raise LoginRequired
+    if sessions.ended(db=request.app.state.db, session=session):
         raise LoginRequired
     return session
 
@@ -89,15 +93,19 @@ def from_script(request: Request) -> bool:
     return request.headers.get(SCRIPT_HEADER) == SCRIPT_VALUE
 
 
+def cookie_secure(request: Request) -> bool:
+    """`VBATCH_COOKIE_SECURE`; `auto` follows the scheme the request came by, which behind a TLS proxy is https
+    only where uvicorn trusts the proxy's X-Forwarded-Proto (`FORWARDED_ALLOW_IPS`, loopback by default)."""
+    setting = request.app.state.settings.cookie_secure
+    return request.url.scheme == "https" if setting == "auto" else setting == "true"
+
+
+def cookie_attributes(request: Request) -> dict:
+    """The session cookie's attributes: setting and deleting it must name the same ones."""
+    return {"key": COOKIE, "httponly": True, "samesite": "strict", "secure": cookie_secure(request), "path": "/console"}
+
+
 def new_session_cookie(request: Request, owner: str = ANONYMOUS) -> dict:
     """The `set_cookie` arguments of a new session for `owner`."""
     _, value = signer_of(request).issue(owner)
-    return {
-        "key": COOKIE,
-        "value": value,
-        "httponly": True,
-        "samesite": "strict",
-        "secure": request.url.scheme == "https",
-        "path": "/console",
-        "max_age": LIFETIME_SECONDS,
-    }
+    return cookie_attributes(request) | {"value": value, "max_age": LIFETIME_SECONDS}

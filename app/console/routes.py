@@ -10,13 +10,15 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
+from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from starlette.types import Receive, Scope, Send
 
 from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
 from app.api.errors import from_domain
 from app.api.system import health_status
 from app.api.uploads import store_upload
-from app.console import present
+from app.console import CONSOLE_STATIC, present, sessions
 from app.console.access import (
     CSRF_FIELD,
     ChangeDep,
@@ -25,6 +27,7 @@ from app.console.access import (
     SessionDep,
     anonymous_allowed,
     check_origin,
+    cookie_attributes,
     from_script,
     keys_of,
     login_url,
@@ -32,7 +35,8 @@ from app.console.access import (
     safe_next,
     signer_of,
 )
-from app.console.sessions import COOKIE, Session
+from app.console.headers import with_console_headers
+from app.console.sessions import Session
 from app.core.gpu import gpu_usage
 from app.domain import batches, files
 from app.domain.errors import DomainError, InvalidRequest, Unauthenticated
@@ -46,6 +50,7 @@ FIRST_ERROR_LINES = 10
 HERE = Path(__file__).parent
 templates = Jinja2Templates(directory=HERE / "templates")
 templates.env.filters.update(present.FILTERS)
+STATIC = StaticFiles(directory=CONSOLE_STATIC)
 
 
 class ConsoleRoute(APIRoute):
@@ -67,8 +72,11 @@ class ConsoleRoute(APIRoute):
 
         return console_handler
 
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await super().handle(scope, receive, with_console_headers(send))
 
-router = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
+
+pages = APIRouter(prefix="/console", route_class=ConsoleRoute, include_in_schema=False)
 
 
 def _page(request: Request, template: str, session: Session | None, status_code: int = 200, **context) -> Response:
@@ -94,20 +102,27 @@ def _login_required(request: Request) -> Response:
     return RedirectResponse(login_url(request), status_code=303)
 
 
-@router.get("")
-@router.get("/")
+@pages.get("")
+@pages.get("/")
 def home() -> Response:
     return RedirectResponse("/console/batches", status_code=303)
 
 
-@router.get("/login")
+@pages.api_route("/static/{name}", methods=["GET", "HEAD"])
+async def static_file(request: Request, name: str) -> Response:
+    """console.js and console.css (with StaticFiles' ETag and 304s), served by this router rather than a mount so
+    that they carry the console's headers too."""
+    return await STATIC.get_response(name, request.scope)
+
+
+@pages.get("/login")
 def login_page(request: Request, next: str | None = None) -> Response:
     if anonymous_allowed(request):
         return RedirectResponse(safe_next(next), status_code=303)
     return _page(request, "login.html", None, next=safe_next(next))
 
 
-@router.post("/login")
+@pages.post("/login")
 def login(request: Request, key: Annotated[str, Form()], next: Annotated[str, Form()] = "") -> Response:
     check_origin(request)
     try:
@@ -119,10 +134,12 @@ def login(request: Request, key: Annotated[str, Form()], next: Annotated[str, Fo
     return response
 
 
-@router.post("/logout")
-def logout(request: Request, _: ChangeDep) -> Response:
+@pages.post("/logout")
+def logout(request: Request, session: ChangeDep, db: DbDep) -> Response:
+    # Deleting the cookie is not enough: a copy of it (another tab's, a stolen one) would work for hours.
+    sessions.end(db=db, session=session)
     response: Response = RedirectResponse("/console/login", status_code=303)
-    response.delete_cookie(COOKIE, path="/console")
+    response.delete_cookie(**cookie_attributes(request))
     return response
 
 
@@ -149,8 +166,8 @@ def _batch_rows(db, engine, session: Session, status: str | None, after: str | N
     }
 
 
-@router.get("/batches")
-@router.get("/batches/rows")  # before /batches/{batch_id}, which would take "rows" for an id
+@pages.get("/batches")
+@pages.get("/batches/rows")  # before /batches/{batch_id}, which would take "rows" for an id
 def batches_page(
     request: Request,
     session: SessionDep,
@@ -185,8 +202,8 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
     }
 
 
-@router.get("/batches/{batch_id}")
-@router.get("/batches/{batch_id}/panel")
+@pages.get("/batches/{batch_id}")
+@pages.get("/batches/{batch_id}/panel")
 async def batch_page(
     request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
 ) -> Response:
@@ -196,20 +213,20 @@ async def batch_page(
     return _page(request, template, session, **context)
 
 
-@router.get("/batches/{batch_id}/progress.json")
+@pages.get("/batches/{batch_id}/progress.json")
 def batch_progress(batch_id: str, session: SessionDep, db: DbDep, engine: EngineDep) -> Response:
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
     return JSONResponse(batches.progress(row, engine.live_stats(row.id)).model_dump(mode="json"))
 
 
-@router.post("/batches/{batch_id}/cancel")
+@pages.post("/batches/{batch_id}/cancel")
 def cancel_batch(batch_id: str, session: ChangeDep, db: DbDep, engine: EngineDep) -> Response:
     batches.request_cancel(db=db, batch_id=batch_id, owner=session.owner)
     engine.wake()
     return RedirectResponse(f"/console/batches/{batch_id}", status_code=303)
 
 
-@router.get("/batches/{batch_id}/partial")
+@pages.get("/batches/{batch_id}/partial")
 async def partial_download(
     batch_id: str,
     session: SessionDep,
@@ -225,12 +242,12 @@ async def partial_download(
     return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
 
 
-@router.get("/submit")
+@pages.get("/submit")
 def submit_page(request: Request, session: SessionDep, settings: SettingsDep) -> Response:
     return _page(request, "submit.html", session, endpoints=batches.ENDPOINTS, windows=list(settings.allowed_windows))
 
 
-@router.post("/uploads")
+@pages.post("/uploads")
 async def upload(
     request: Request,
     session: ChangeDep,
@@ -255,7 +272,7 @@ async def upload(
     )
 
 
-@router.post("/batches")
+@pages.post("/batches")
 def create_batch(
     request: Request,
     session: ChangeDep,
@@ -284,37 +301,29 @@ def create_batch(
     return RedirectResponse(f"/console/batches/{row.id}", status_code=303)
 
 
-@router.get("/files")
+@pages.get("/files")
 def files_page(request: Request, session: SessionDep, db: DbDep, after: str | None = None) -> Response:
     listing = files.list_files(db=db, owner=session.owner, purpose=None, limit=PAGE_SIZE, order="desc", after=after)
     return _page(request, "files.html", session, files=listing.data, has_more=listing.has_more, last_id=listing.last_id)
 
 
-@router.get("/files/{file_id}/content")
+@pages.get("/files/{file_id}/content")
 async def file_download(file_id: str, session: SessionDep, db: DbDep, storage: StorageDep) -> Response:
-    row = files.get(db=db, file_id=file_id, owner=session.owner)
-    chunks, size = await _opened(storage, file_id)
+    content = await files.open_content(db=db, storage=storage, file_id=file_id, owner=session.owner)
     headers = {
-        "Content-Length": str(size),
-        "Content-Disposition": f'attachment; filename="{present.download_name(row)}"',
+        "Content-Length": str(content.size),
+        "Content-Disposition": f'attachment; filename="{present.download_name(content.row)}"',
     }
-    return StreamingResponse(chunks, media_type="application/octet-stream", headers=headers)
+    return StreamingResponse(content.chunks, media_type="application/octet-stream", headers=headers)
 
 
-async def _opened(storage, file_id: str):
-    opened = await storage.open_prefix(file_id)
-    if opened is None:
-        raise InvalidRequest(f"The content of file {file_id} is not available.", param="file_id")
-    return opened
-
-
-@router.post("/files/{file_id}/delete")
+@pages.post("/files/{file_id}/delete")
 async def delete_file(request: Request, file_id: str, session: ChangeDep, db: DbDep, storage: StorageDep) -> Response:
     await files.delete(db=db, storage=storage, file_id=file_id, owner=session.owner, keep_if_in_use=True)
     return RedirectResponse("/console/files", status_code=303)
 
 
-@router.get("/engine")
+@pages.get("/engine")
 async def engine_page(
     request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep
 ) -> Response:
@@ -329,3 +338,13 @@ async def engine_page(
         gpus=gpus,
         config=sorted(engine.engine_config.items()),
     )
+
+
+# What app.main includes: the console, and the base URL sending a browser to it (the API is under /v1).
+router = APIRouter(include_in_schema=False)
+router.include_router(pages)
+
+
+@router.get("/")
+def base_url() -> Response:
+    return RedirectResponse("/console/", status_code=307)

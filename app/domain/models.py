@@ -148,3 +148,13 @@ class WorkerRow(SQLModel, table=True):
     engine_config_json: str = "{}"
     scheduler_error: str | None = None
     engine_deaths: int = 0
+
+
+class EndedConsoleSession(SQLModel, table=True):
+    """A console session logged out before its cookie expired (`app.console.sessions.end`): refused by every
+    process that shares the database until `expires_at`, when the cookie would be refused anyway."""
+
+    __tablename__ = "ended_console_sessions"
+
+    nonce: str = Field(primary_key=True)
+    expires_at: int = Field(index=True)
