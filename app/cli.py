@@ -172,7 +172,11 @@ def _check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
     if keys:
         log.info("%d API key(s) configured: every /v1 request needs one", keys)
     else:
-        log.warning("no API keys configured: serving %s without authentication", settings.host)
+        log.warning(
+            "no API keys configured: serving %s without authentication, to requests for loopback host names%s",
+            settings.host,
+            f" and {settings.allowed_hosts}" if settings.allowed_hosts else " (VBATCH_ALLOWED_HOSTS adds others)",
+        )
 
 
 def cluster(argv: list[str]) -> None:
