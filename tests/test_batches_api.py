@@ -240,7 +240,8 @@ def test_engine_that_cannot_restart_keeps_results_and_the_api_up(client, fake_en
 
 
 def test_an_engine_that_dies_while_idle_is_restarted_and_health_says_so(client, fake_engine, engine_service):
-    assert client.get("/health").json()["status"] == "ok" and fake_engine.starts == 1
+    wait_for(lambda: client.get("/health").json()["status"] == "ok")  # the engine starts on its own thread
+    assert fake_engine.starts == 1
     fake_engine.serving.alive = False
     wait_for(lambda: fake_engine.starts == 2 and client.get("/health").json()["status"] == "ok")
     assert engine_service.live.deaths == 1
