@@ -38,8 +38,8 @@ from app.core.storage import Storage, keep_private
 from app.core.stores import open_storage
 from app.domain import batches, retention
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
+from app.engine.metrics import Metrics, State
 from app.engine.view import EngineView
-from app.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
 
 log = logging.getLogger("vbatch.api")

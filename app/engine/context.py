@@ -13,7 +13,7 @@ from app.core.storage import Storage
 from app.domain.leases import Lease
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
-from app.metrics import Metrics
+from app.engine.metrics import Metrics
 
 if TYPE_CHECKING:
     from app.engine.runner import BatchRun
