@@ -58,7 +58,7 @@ screenshots: setup
 	VBATCH_SCREENSHOT_DIR=docs/console $(BIN)/python -m pytest -q tests/browser tests/e2e/test_console_e2e.py
 
 openapi: $(VENV)/.installed
-	$(BIN)/python -m app.api.openapi > openapi.yaml
+	$(BIN)/python -m app.openapi > openapi.yaml
 
 bench-cpu: setup
 	$(BIN)/python -m bench.compare --model $(MODEL_DIR) --no-dummy --prompts 48 --max-tokens 32 \

@@ -41,7 +41,7 @@ AppBuilder = Callable[[list[str]], "tuple[FastAPI, Settings]"]
 
 def worker_app(argv: list[str]) -> tuple[FastAPI, Settings]:
     """A `vbatch worker`'s app and settings, from its arguments (`vllm serve`'s engine args)."""
-    from app.cli import service_app
+    from app.launch import service_app
 
     return service_app(argv, "worker")
 
@@ -52,9 +52,9 @@ class Replica:
     def __init__(self, build: AppBuilder, argv: list[str]) -> None:
         import uvicorn
 
-        from app.cli import server_options
         from app.core import logs
         from app.core.orphans import no_orphans
+        from app.launch import server_options
 
         logs.configure(Settings().log_format)
         self.app, settings = build(argv)
@@ -160,7 +160,7 @@ def main(argv: list[str]) -> None:
     resizes a running one."""
     import ray
 
-    from app.cli import parse_service_args
+    from app.launch import parse_service_args
 
     if argv[:1] == ["scale"]:
         scale = argparse.ArgumentParser(prog="vbatch cluster scale")

@@ -34,11 +34,12 @@ from app.core.db import claim_database, make_engine
 from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
-from app.core.storage import Storage, keep_private, open_storage
+from app.core.storage import Storage, keep_private
+from app.core.stores import open_storage
 from app.domain import batches, retention
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
+from app.engine.metrics import Metrics, State
 from app.engine.view import EngineView
-from app.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
 
 log = logging.getLogger("vbatch.api")

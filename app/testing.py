@@ -382,11 +382,11 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
 
     import uvicorn
 
-    from app.cli import server_options
     from app.core import logs
     from app.core.config import Settings
     from app.engine.service import EngineService
     from app.engine.view import EngineView, WorkersView
+    from app.launch import server_options
     from app.main import Role, create_app
 
     parser = argparse.ArgumentParser(prog="python -m app.testing")

@@ -12,7 +12,8 @@ from fastapi.testclient import TestClient
 
 from app.core import failpoints
 from app.core.config import Settings
-from app.core.storage import Storage, open_storage
+from app.core.storage import Storage
+from app.core.stores import open_storage
 from app.testing import FAKE_MODEL as MODEL
 
 

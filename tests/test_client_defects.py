@@ -10,11 +10,11 @@ import pytest
 from fastapi.testclient import TestClient
 from openai import OpenAI
 
-from app.api.openapi import served_openapi
 from app.core import clock
 from app.core.config import Settings
 from app.engine.service import EngineService
 from app.main import create_app
+from app.openapi import served_openapi
 from app.testing import FAKE_MODEL as MODEL
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, request_line, upload

@@ -16,7 +16,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 from sqlmodel import select
 
-from app.cli import server_options
 from app.console import sessions
 from app.console.sessions import COOKIE, LIFETIME_SECONDS, Session, SessionSigner
 from app.core.config import Settings
@@ -25,6 +24,7 @@ from app.core.migrate import upgrade_to_head
 from app.domain import models
 from app.engine.service import EngineService
 from app.engine.view import WorkersView
+from app.launch import server_options
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port
 from tests.helpers import create_batch, jsonl, request_line, serving, upload

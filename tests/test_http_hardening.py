@@ -24,13 +24,13 @@ from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
 from app.api.connections import guarded_protocol
-from app.cli import server_options
 from app.core.config import Settings
 from app.core.db import make_engine, session_scope
 from app.core.migrate import upgrade_to_head
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.engine.service import EngineService
+from app.launch import server_options
 from app.main import create_app
 from app.testing import FakeEngine, VbatchServer, free_port
 from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for

@@ -11,8 +11,8 @@ from sqlalchemy import create_engine, text
 from sqlmodel import SQLModel
 
 import app.domain.models  # noqa: F401
-from app.api.openapi import served_openapi
 from app.core.migrate import upgrade_to_head
+from app.openapi import served_openapi
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -10,9 +10,9 @@ from contextlib import contextmanager
 
 import pytest
 
-from app.cli import server_options
 from app.core.config import Settings
 from app.engine.service import EngineService
+from app.launch import server_options
 from app.main import create_app
 from app.testing import FakeEngine, free_port
 from tests.helpers import jsonl, request_line, serving, wait_for

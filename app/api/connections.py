@@ -36,7 +36,7 @@ H11_DEFAULT_MAX_HEAD_BYTES = 16 * 1024  # h11's max_incomplete_event_size, unles
 def guarded_protocol(*, header_timeout: float, max_per_client: int, parser: str = "auto") -> type[asyncio.Protocol]:
     """uvicorn's own HTTP protocol (`parser`: "auto" is httptools where installed, else h11) with both limits."""
     base: Any = import_from_string(HTTP_PROTOCOLS[parser])
-    open_by_host: Counter[str] = Counter()
+    per_address = _OpenPerAddress(max_per_client)
 
     class GuardedProtocol(base):
         _host: str | None = None
@@ -45,19 +45,15 @@ def guarded_protocol(*, header_timeout: float, max_per_client: int, parser: str 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self._host = self.client[0] if self.client else None
-            if self._host is not None:
-                open_by_host[self._host] += 1
-                if max_per_client and open_by_host[self._host] > max_per_client:
-                    log.warning("refused a connection: its address holds %d already", max_per_client)
-                    transport.close()
-                    return
+            if self._host is not None and not per_address.admit(self._host):
+                log.warning("refused a connection: its address holds %d already", max_per_client)
+                transport.close()
+                return
             self._wait_for_headers()
 
         def connection_lost(self, exc: Exception | None) -> None:
             if self._host is not None:
-                open_by_host[self._host] -= 1
-                if open_by_host[self._host] <= 0:
-                    del open_by_host[self._host]
+                per_address.release(self._host)
                 self._host = None
             if self._header_timer is not None:
                 self._header_timer.cancel()
@@ -74,20 +70,9 @@ def guarded_protocol(*, header_timeout: float, max_per_client: int, parser: str 
 
         def send_400_response(self, msg: str) -> None:
             """uvicorn calls this while handling the parse error (either parser's), which says what went wrong."""
-            error = _unparsable(self._too_long(sys.exc_info()[1]))
+            error = _unparsable(_too_long(self, sys.exc_info()[1]))
             self.transport.write(_raw_response(error, self.server_state.default_headers))
             self.transport.close()
-
-        def _too_long(self, exc: BaseException | None) -> int | None:
-            """414 or 431 when the request failed for its size, else None."""
-            conn = getattr(self, "conn", None)
-            if conn is None:  # httptools
-                return 414 if len(getattr(self, "url", b"")) > HTTPTOOLS_MAX_URL_BYTES else None
-            # h11: a request line and headers that outgrew its buffer; the URL did if the request line alone does.
-            if getattr(exc, "error_status_hint", None) != 431:
-                return None
-            limit = self.config.h11_max_incomplete_event_size or H11_DEFAULT_MAX_HEAD_BYTES
-            return 414 if len(conn.trailing_data[0].partition(b"\n")[0]) > limit else 431
 
         def _headers_late(self, cycle_before: Any) -> None:
             """No request has begun since `cycle_before` ended (or since the connection, if None)."""
@@ -96,6 +81,36 @@ def guarded_protocol(*, header_timeout: float, max_per_client: int, parser: str 
                 self.transport.close()
 
     return GuardedProtocol
+
+
+class _OpenPerAddress:
+    """Connections open by each client address: one more is admitted while its address holds no more than
+    `max_per_client` (0: any number). A refused connection counts until it is lost, as an admitted one does."""
+
+    def __init__(self, max_per_client: int) -> None:
+        self.max_per_client = max_per_client
+        self.open: Counter[str] = Counter()
+
+    def admit(self, host: str) -> bool:
+        self.open[host] += 1
+        return not (self.max_per_client and self.open[host] > self.max_per_client)
+
+    def release(self, host: str) -> None:
+        self.open[host] -= 1
+        if self.open[host] <= 0:
+            del self.open[host]
+
+
+def _too_long(protocol: Any, exc: BaseException | None) -> int | None:
+    """414 or 431 when the request `protocol` was parsing failed for its size, else None."""
+    conn = getattr(protocol, "conn", None)
+    if conn is None:  # httptools
+        return 414 if len(getattr(protocol, "url", b"")) > HTTPTOOLS_MAX_URL_BYTES else None
+    # h11: a request line and headers that outgrew its buffer; the URL did if the request line alone does.
+    if getattr(exc, "error_status_hint", None) != 431:
+        return None
+    limit = protocol.config.h11_max_incomplete_event_size or H11_DEFAULT_MAX_HEAD_BYTES
+    return 414 if len(conn.trailing_data[0].partition(b"\n")[0]) > limit else 431
 
 
 def _unparsable(too_long: int | None) -> APIError:

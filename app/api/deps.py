@@ -10,8 +10,8 @@ from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
+from app.engine.metrics import Metrics
 from app.engine.view import EngineView
-from app.metrics import Metrics
 
 
 def _settings(request: Request) -> Settings:

@@ -13,7 +13,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
-from app.domain.errors import DomainError, InvalidRequest, NotFound, TooManyActive, Unauthenticated
+from app.core.errors import DomainError, Unauthenticated
+from app.domain.errors import InvalidRequest, NotFound, TooManyActive
 
 log = logging.getLogger("vbatch.api")
 

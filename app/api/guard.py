@@ -24,7 +24,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api.errors import APIError, from_domain
 from app.core.auth import KeyRing, is_loopback
-from app.domain.errors import Unauthenticated
+from app.core.errors import Unauthenticated
 
 HEALTH_PATHS = frozenset({"/health", "/health/ready", "/health/live"})
 OPENAPI_PATH = "/openapi.json"

@@ -37,9 +37,10 @@ from app.console.access import (
 )
 from app.console.headers import with_console_headers
 from app.console.sessions import Session
+from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
 from app.domain import batches, files
-from app.domain.errors import DomainError, InvalidRequest, Unauthenticated
+from app.domain.errors import InvalidRequest
 from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest

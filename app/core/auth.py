@@ -8,7 +8,7 @@ import hmac
 import ipaddress
 from pathlib import Path
 
-from app.domain.errors import Unauthenticated
+from app.core.errors import Unauthenticated
 
 # Files and batches made while no keys are configured belong to nobody in particular.
 ANONYMOUS = ""

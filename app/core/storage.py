@@ -36,15 +36,6 @@ async def no_bytes() -> AsyncIterator[bytes]:
     yield  # pragma: no cover - makes this an async generator
 
 
-def open_storage(url: str | None, root: Path, reserve: DiskReserve | None = None) -> Storage:
-    """The data directory's files (`url` None), or the S3-compatible store at `url` with `root` as scratch."""
-    if url is None:
-        return Storage(root, reserve)
-    from app.core.object_storage import ObjectStorage
-
-    return ObjectStorage(url, root, reserve)
-
-
 class Storage:
     def __init__(self, root: Path, reserve: DiskReserve | None = None) -> None:
         self.root = root

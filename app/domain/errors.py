@@ -1,15 +1,9 @@
-"""What the domain refuses, in its own terms. `app.api.errors` alone turns these into OpenAI's HTTP envelopes, so
-code that runs on the engine thread never builds an HTTP answer."""
+"""What the domain refuses, in its own terms (on `app.core.errors.DomainError`). `app.api.errors` alone turns these
+into OpenAI's HTTP envelopes, so code that runs on the engine thread never builds an HTTP answer."""
 
 from __future__ import annotations
 
-
-class DomainError(Exception):
-    def __init__(self, message: str, *, param: str | None = None, code: str | None = None) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
+from app.core.errors import DomainError
 
 
 class InvalidRequest(DomainError):
@@ -39,7 +33,3 @@ class TooManyActive(DomainError):
             "Wait for one to finish, or cancel one.",
             code="too_many_active_batches",
         )
-
-
-class Unauthenticated(DomainError):
-    pass

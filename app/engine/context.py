@@ -4,19 +4,24 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain.leases import Lease
+from app.domain.schemas import RunStats
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
-from app.metrics import Metrics
+from app.engine.metrics import Metrics
 
-if TYPE_CHECKING:
-    from app.engine.runner import BatchRun
+
+class RunningBatch(Protocol):
+    """What the registry of running batches is read for: a run's live numbers. The run (`app.engine.runner`) is
+    built on this context, so the context names only what it needs of one."""
+
+    def stats(self) -> RunStats | None: ...
 
 
 @dataclass
@@ -40,6 +45,6 @@ class Context:
     # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
     changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
-    runs: dict[str, BatchRun] = field(default_factory=dict)
+    runs: dict[str, RunningBatch] = field(default_factory=dict)
     # The leases this service holds, by batch id: every write a batch's run makes carries its lease.
     leases: dict[str, Lease] = field(default_factory=dict)

@@ -276,78 +276,97 @@ async def serve(serving: Serving, address: str, index: int) -> None:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
     socket.connect(address)
-    answers: list[tuple] = []
-    wake = asyncio.Event()
-    running: dict[int, asyncio.Task] = {}
-
-    def answer(item: tuple) -> None:
-        answers.append(item)
-        wake.set()
-
-    async def run(request_id: int, endpoint: str, body: dict, rank: int | None) -> None:
-        try:
-            status, result = await serving.execute(endpoint, body, rank)
-            answer((request_id, status, result if isinstance(result, EncodedBody) else encode_body(result)))
-        except EngineDead as exc:
-            answer((request_id, None, str(exc)))
-        except asyncio.CancelledError:
-            pass
-        except Exception as exc:  # the serving layer answers errors itself; this is a last resort
-            log.exception("front end %d: request failed", index)
-            answer((request_id, INTERNAL_ERROR, encode_body(_internal_error(exc))))
-        finally:
-            running.pop(request_id, None)
-
-    async def health(request_id: int) -> None:
-        try:
-            answer((request_id, "health", await serving.is_alive()))
-        finally:
-            running.pop(request_id, None)
-
-    async def orphaned() -> None:
-        """A `kill -9` of vbatch leaves no front end behind: it exits when its parent is gone."""
-        parent = os.getppid()
-        while os.getppid() == parent:
-            await asyncio.sleep(1.0)
-        log.warning("front end %d: vbatch exited; stopping", index)
-
-    async def send() -> None:
-        nonlocal answers
-        while True:
-            await wake.wait()
-            wake.clear()
-            if answers:
-                batch, answers = answers, []
-                await socket.send(pickle.dumps(("done", batch), protocol=5))
-
+    frontend_loop = _FrontendLoop(serving, socket, index)
     log.info("front end %d: serving layer ready", index)
-    sender = asyncio.create_task(send())
-    watch = asyncio.create_task(orphaned())
+    sender = asyncio.create_task(frontend_loop.send())
+    watch = asyncio.create_task(_orphaned(index))
     await socket.send(pickle.dumps(("ready", index, serving.served_models), protocol=5))
     try:
+        await frontend_loop.receive_until(watch)
+    finally:
+        sender.cancel()
+        watch.cancel()
+        frontend_loop.cancel_running()
+        socket.close(linger=0)
+        context.term()
+
+
+class _FrontendLoop:
+    """A front end's side of its socket to the pool: the requests it runs, and their answers, sent in batches."""
+
+    def __init__(self, serving: Serving, socket: zmq.asyncio.Socket, index: int) -> None:
+        self.serving = serving
+        self.socket = socket
+        self.index = index
+        self.answers: list[tuple] = []
+        self.wake = asyncio.Event()
+        self.running: dict[int, asyncio.Task] = {}
+
+    async def receive_until(self, watch: asyncio.Task) -> None:
+        """Take what the pool sends until `watch` ends (vbatch is gone)."""
         while not watch.done():
-            receiving = asyncio.ensure_future(socket.recv())
+            receiving = asyncio.ensure_future(self.socket.recv())
             await asyncio.wait([receiving, watch], return_when=asyncio.FIRST_COMPLETED)
             if not receiving.done():
                 receiving.cancel()
                 break
             for item in pickle.loads(receiving.result()):
-                kind, request_id = item[0], item[1]
-                if kind == "run":
-                    running[request_id] = asyncio.create_task(run(request_id, *item[2:]))
-                elif kind == "abort":
-                    task = running.pop(request_id, None)
-                    if task is not None:
-                        task.cancel()
-                elif kind == "health":
-                    running[request_id] = asyncio.create_task(health(request_id))
-    finally:
-        sender.cancel()
-        watch.cancel()
-        for task in list(running.values()):
+                self.dispatch(item)
+
+    def dispatch(self, item: tuple) -> None:
+        kind, request_id = item[0], item[1]
+        if kind == "run":
+            self.running[request_id] = asyncio.create_task(self.run(request_id, *item[2:]))
+        elif kind == "abort":
+            task = self.running.pop(request_id, None)
+            if task is not None:
+                task.cancel()
+        elif kind == "health":
+            self.running[request_id] = asyncio.create_task(self.health(request_id))
+
+    async def run(self, request_id: int, endpoint: str, body: dict, rank: int | None) -> None:
+        try:
+            status, result = await self.serving.execute(endpoint, body, rank)
+            self.answer((request_id, status, result if isinstance(result, EncodedBody) else encode_body(result)))
+        except EngineDead as exc:
+            self.answer((request_id, None, str(exc)))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # the serving layer answers errors itself; this is a last resort
+            log.exception("front end %d: request failed", self.index)
+            self.answer((request_id, INTERNAL_ERROR, encode_body(_internal_error(exc))))
+        finally:
+            self.running.pop(request_id, None)
+
+    async def health(self, request_id: int) -> None:
+        try:
+            self.answer((request_id, "health", await self.serving.is_alive()))
+        finally:
+            self.running.pop(request_id, None)
+
+    def answer(self, item: tuple) -> None:
+        self.answers.append(item)
+        self.wake.set()
+
+    async def send(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake.clear()
+            if self.answers:
+                batch, self.answers = self.answers, []
+                await self.socket.send(pickle.dumps(("done", batch), protocol=5))
+
+    def cancel_running(self) -> None:
+        for task in list(self.running.values()):
             task.cancel()
-        socket.close(linger=0)
-        context.term()
+
+
+async def _orphaned(index: int) -> None:
+    """A `kill -9` of vbatch leaves no front end behind: it exits when its parent is gone."""
+    parent = os.getppid()
+    while os.getppid() == parent:
+        await asyncio.sleep(1.0)
+    log.warning("front end %d: vbatch exited; stopping", index)
 
 
 def await_chain(task: asyncio.Task) -> list[str]:

@@ -31,9 +31,9 @@ from app.domain.workers import WorkerState
 from app.engine.context import Context
 from app.engine.ending import end_overdue
 from app.engine.live import LiveEngine
+from app.engine.metrics import Metrics
 from app.engine.runner import run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave
-from app.metrics import Metrics
 
 log = logging.getLogger("vbatch.engine")
 

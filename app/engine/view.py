@@ -17,7 +17,7 @@ from app.domain import batches, workers
 from app.domain.errors import NotFound
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
-from app.metrics import Metrics
+from app.engine.metrics import Metrics
 
 State = Literal["starting", "ok", "restarting", "down"]
 # How long a worker may be silent and still count (it says so every second).

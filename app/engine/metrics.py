@@ -2,7 +2,8 @@
 
 Each app has its own registry (a process may hold several apps, as the tests do); what happens is counted where
 it happens (the engine thread, the webhook sender), and what is true now (batches by status, lines waiting, each
-running batch's rates) is read from the database and the live runs at scrape time.
+running batch's rates) is read from the database and the live runs at scrape time. It sits in the engine layer
+because the engine thread counts into it; the API and the webhook sender, above it, read and count too.
 """
 
 from __future__ import annotations

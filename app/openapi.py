@@ -1,4 +1,5 @@
-"""Prints the OpenAPI document the app serves, as YAML: `make openapi` writes it to openapi.yaml."""
+"""Prints the OpenAPI document the app serves, as YAML: `make openapi` writes it to openapi.yaml. It builds the whole
+app (`app.main`) to ask it, so it sits with the wiring, above the routes it documents."""
 
 from __future__ import annotations
 

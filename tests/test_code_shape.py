@@ -1,0 +1,227 @@
+"""The code's shape, read from the source with `ast` (nothing of `app` is imported): no import cycle among app's
+modules, no import of a higher layer from a lower one, no function of 60 lines or more.
+
+Every import counts wherever it is written: at the top, inside a function (a real dependency, only later), and
+under `if TYPE_CHECKING:` (a type names what the module is built on as much as a call does).
+"""
+
+from __future__ import annotations
+
+import ast
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+APP = Path(__file__).resolve().parent.parent / "app"
+
+# Lowest first: a module imports from its own layer and those below, never from one above. "app" alone is the
+# package itself (its version), which any module may read.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("core", ("app", "app.core")),
+    ("domain", ("app.domain",)),
+    ("engine", ("app.engine",)),
+    ("http", ("app.api", "app.console", "app.outbox")),
+    ("wiring", ("app.main", "app.openapi", "app.launch", "app.cli", "app.cluster", "app.testing", "app.__main__")),
+)
+MAX_FUNCTION_LINES = 59
+
+
+@dataclass(frozen=True)
+class Import:
+    source: str
+    target: str
+    where: str  # file and line
+
+
+def modules(root: Path) -> dict[str, Path]:
+    """Every module under `root` (a package directory) by its dotted name."""
+    found = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = [root.name, *path.relative_to(root).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+def imports(root: Path) -> list[Import]:
+    """Every import of one of `root`'s modules by another, wherever in the module it is written."""
+    known = modules(root)
+    found = []
+    for source, path in known.items():
+        package = source if path.name == "__init__.py" else source.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            for target in _targets(node, package, known):
+                if target != source:
+                    found.append(Import(source, target, f"{path.relative_to(root.parent)}:{node.lineno}"))
+    return found
+
+
+def _targets(node: ast.AST, package: str, known: dict[str, Path]) -> Iterator[str]:
+    if isinstance(node, ast.Import):
+        for alias in node.names:
+            yield from _owning_module(alias.name, known)
+    elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:
+            above = package.split(".")[: len(package.split(".")) - node.level + 1]
+            base = ".".join([*above, *([node.module] if node.module else [])])
+        for alias in node.names:  # `from package import module` depends on the module, not only the package
+            yield from _owning_module(f"{base}.{alias.name}" if f"{base}.{alias.name}" in known else base, known)
+
+
+def _owning_module(name: str, known: dict[str, Path]) -> Iterator[str]:
+    while name and name not in known:
+        name = name.rpartition(".")[0]
+    if name:
+        yield name
+
+
+def layer_of(module: str) -> int | None:
+    for rank, (_, prefixes) in enumerate(LAYERS):
+        if any(module == prefix or (prefix != "app" and module.startswith(prefix + ".")) for prefix in prefixes):
+            return rank
+    return None
+
+
+def upward_imports(found: list[Import]) -> list[str]:
+    problems = []
+    for edge in found:
+        source, target = layer_of(edge.source), layer_of(edge.target)
+        if source is not None and target is not None and target > source:
+            problems.append(
+                f"{edge.where} {edge.source} imports {edge.target}: "
+                f"layer {LAYERS[source][0]} may not import from layer {LAYERS[target][0]}"
+            )
+    return problems
+
+
+def cycles(found: list[Import]) -> list[str]:
+    """One cycle per strongly connected group of modules, each import of it named with its file and line."""
+    graph: dict[str, dict[str, Import]] = {}
+    for edge in found:
+        graph.setdefault(edge.source, {}).setdefault(edge.target, edge)
+    problems = []
+    for group in _strongly_connected(graph):
+        if len(group) > 1:
+            path = _cycle_through(graph, group)
+            steps = [graph[a][b] for a, b in itertools.pairwise(path)]
+            members = ", ".join(sorted(group))
+            closed = " -> ".join(f"{s.source} ({s.where})" for s in steps) + f" -> {path[0]}"
+            problems.append(f"import cycle among {members}: {closed}")
+    return problems
+
+
+def _strongly_connected(graph: dict[str, dict[str, Import]]) -> list[set[str]]:
+    """Tarjan's algorithm."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for after in graph.get(node, {}):
+            if after not in index:
+                visit(after)
+                low[node] = min(low[node], low[after])
+            elif after in stack:
+                low[node] = min(low[node], index[after])
+        if low[node] == index[node]:
+            group = set()
+            while (member := stack.pop()) != node:
+                group.add(member)
+            groups.append(group | {node})
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def _cycle_through(graph: dict[str, dict[str, Import]], group: set[str]) -> list[str]:
+    """A closed path inside `group`, from its first module back to it."""
+    start = min(group)
+    paths = [[start]]
+    while paths:
+        path = paths.pop(0)
+        for after in sorted(graph.get(path[-1], {})):
+            if after == start:
+                return [*path, start]
+            if after in group and after not in path:
+                paths.append([*path, after])
+    raise AssertionError(f"no cycle through {group}")
+
+
+def long_functions(root: Path) -> list[str]:
+    problems = []
+    for path in modules(root).values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    where = f"{path.relative_to(root.parent)}:{node.lineno}"
+                    problems.append(f"{where} {node.name} is {length} lines (at most {MAX_FUNCTION_LINES})")
+    return problems
+
+
+def test_every_module_has_a_layer():
+    problems = [name for name in modules(APP) if layer_of(name) is None]
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle():
+    problems = cycles(imports(APP))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_from_a_higher_layer():
+    problems = upward_imports(imports(APP))
+    assert not problems, "\n".join(problems)
+
+
+def test_no_function_reaches_60_lines():
+    problems = long_functions(APP)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_scan_sees_the_imports_that_are_there():
+    """The guards above pass on an empty graph too: they mean something only while the scan finds what is there."""
+    found = {(edge.source, edge.target) for edge in imports(APP)}
+    assert ("app.main", "app.api.batches") in found  # `from app.api import batches as ...`
+    assert ("app.cli", "app.engine.offline") in found  # inside a function
+
+
+def _package(root: Path, files: dict[str, str]) -> Path:
+    for name, text in files.items():
+        path = root / "app" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root / "app"
+
+
+def test_each_guard_names_what_breaks_it(tmp_path):
+    long_body = "".join(f"    x{i} = {i}\n" for i in range(MAX_FUNCTION_LINES))
+    app = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "core/__init__.py": "",
+            "core/a.py": "def late():\n    from app.domain import b\n",
+            "domain/__init__.py": "",
+            "domain/b.py": f"from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from app.core import a\n"
+            f"def long():\n{long_body}",
+        },
+    )
+    found = imports(app)
+    assert upward_imports(found) == [
+        "app/core/a.py:2 app.core.a imports app.domain.b: layer core may not import from layer domain"
+    ]
+    assert cycles(found) == [
+        "import cycle among app.core.a, app.domain.b: "
+        "app.core.a (app/core/a.py:2) -> app.domain.b (app/domain/b.py:3) -> app.core.a"
+    ]
+    too_long = MAX_FUNCTION_LINES + 1
+    assert long_functions(app) == [f"app/domain/b.py:4 long is {too_long} lines (at most {MAX_FUNCTION_LINES})"]
