@@ -37,16 +37,13 @@ from app.console.access import (
 )
 from app.console.headers import with_console_headers
 from app.console.sessions import Session
-from app.core.config import Settings
 from app.core.gpu import gpu_usage
 from app.domain import batches, files
 from app.domain.errors import DomainError, InvalidRequest, Unauthenticated
 from app.domain.lifecycle import ACTIVE, BatchStatus
-from app.domain.models import BatchRow
 from app.domain.partial_output import Kind, first_lines, open_partial
-from app.domain.schemas import CreateBatchRequest, RunStats
-from app.domain.validation import Limits, Report, validate_file
-from app.engine.view import EngineView
+from app.domain.schemas import CreateBatchRequest
+from app.domain.validation import Limits, validate_file
 
 PAGE_SIZE = 20
 FIRST_ERROR_LINES = 10
@@ -204,7 +201,7 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
     }
 
 
-def _batch_and_stats(batch_id: str, session: Session, db, engine) -> tuple[BatchRow, RunStats | None]:
+def _batch_and_stats(batch_id: str, session: Session, db, engine) -> tuple:
     """An API replica's engine view reads a batch's live numbers from the database too."""
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
     return row, engine.live_stats(row.id)
@@ -279,7 +276,7 @@ async def upload(
     )
 
 
-def _check_lines(path: Path, settings: Settings, endpoint: str, engine: EngineView) -> Report:
+def _check_lines(path: Path, settings, endpoint: str, engine):
     # An API replica's engine view reads the served models from the workers' beats in the database.
     limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
     return validate_file(path, limits)
