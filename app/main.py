@@ -30,7 +30,7 @@ from app.console.sessions import SessionSigner, load_secret
 from app.core import clock
 from app.core.auth import KeyRing
 from app.core.config import Settings
-from app.core.db import claim_database, make_engine
+from app.core.db import Claim, claim_database, make_engine
 from app.core.disk import DiskReserve
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
@@ -85,16 +85,7 @@ def _lifespan(settings: Settings, engine: EngineView, role: Role) -> Callable[[F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         keep_private(settings.data_dir)
         app.state.console_signer = SessionSigner(load_secret(settings.data_dir))
-        upgrade_to_head(settings.database)
-        app.state.db = make_engine(settings.database)
-        claim = claim_database(app.state.db, settings.data_dir, exclusive=alone)
-        reserve = DiskReserve(
-            settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
-        )
-        app.state.storage = open_storage(settings.storage_url, settings.files_dir, reserve)
-        reserve.keep()
-        # Alone, whatever nobody refers to is a crash's leftover; beside other processes only what is also old.
-        sweep_storage(db=app.state.db, storage=app.state.storage, min_age_seconds=0 if alone else ORPHAN_AGE_SECONDS)
+        claim = await asyncio.to_thread(_open_stores, app, settings, alone)
         await engine.start(
             db=app.state.db,
             storage=app.state.storage,
@@ -116,10 +107,29 @@ def _lifespan(settings: Settings, engine: EngineView, role: Role) -> Callable[[F
                 task.cancel()
             await asyncio.gather(*background, return_exceptions=True)
             await _drain(engine, settings.drain_seconds)
-            claim.close()
-            app.state.db.dispose()
+            await asyncio.to_thread(_close_database, claim, app.state.db)
 
     return lifespan
+
+
+def _open_stores(app: FastAPI, settings: Settings, alone: bool) -> Claim:
+    """The database migrated and claimed, the storage opened and swept: blocking work, for a thread of its own."""
+    upgrade_to_head(settings.database)
+    app.state.db = make_engine(settings.database)
+    claim = claim_database(app.state.db, settings.data_dir, exclusive=alone)
+    reserve = DiskReserve(
+        settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes
+    )
+    app.state.storage = open_storage(settings.storage_url, settings.files_dir, reserve)
+    reserve.keep()
+    # Alone, whatever nobody refers to is a crash's leftover; beside other processes only what is also old.
+    sweep_storage(db=app.state.db, storage=app.state.storage, min_age_seconds=0 if alone else ORPHAN_AGE_SECONDS)
+    return claim
+
+
+def _close_database(claim: Claim, db: Engine) -> None:
+    claim.close()
+    db.dispose()
 
 
 def _add_middleware(app: FastAPI, settings: Settings) -> None:

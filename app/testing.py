@@ -41,7 +41,7 @@ class FakeExecutor:
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
         self.answer_first: int | None = None
         self.gate = asyncio.Event()
-        # Called with each body just before its answer is returned (on the engine thread).
+        # Called with each body just before its answer is returned, on a thread (it may use the database), awaited.
         self.before_answer: Callable[[dict], None] | None = None
         # Each answer takes this long (a process of its own has no other way to be slow).
         self.seconds_per_answer = float(os.environ.get("VBATCH_FAKE_SECONDS_PER_ANSWER", "0"))
@@ -66,7 +66,7 @@ class FakeExecutor:
             await asyncio.sleep(self.seconds_per_answer)
         self.generated += 1
         if self.before_answer is not None:
-            self.before_answer(body)
+            await asyncio.to_thread(self.before_answer, body)
         return 200, {
             "id": f"chatcmpl-{zlib.crc32(json.dumps(body, sort_keys=True).encode())}",  # the same in any process
             "object": "chat.completion",

@@ -19,6 +19,9 @@ from app.testing import FakeEngine, LocalPostgres, LocalS3
 
 # TestClient's requests name the host "testserver", which the Host rule (`app.api.guard.HostRule`) would refuse.
 os.environ.setdefault("VBATCH_ALLOWED_HOSTS", "testserver")
+# A blocking database or object-store call on an event loop raises (`app.core.blocking`), here and in every server the
+# tests start as a process of its own.
+os.environ["VBATCH_GUARD_BLOCKING"] = "true"
 
 
 def pytest_generate_tests(metafunc):

@@ -4,6 +4,7 @@ before the file (the SDK and curl send `purpose` first) pick the limit; one sent
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import deque
 from collections.abc import AsyncIterator
@@ -194,7 +195,8 @@ async def store_upload(request: Request, *, storage: Storage, settings: Settings
     """The multipart form's file stored and recorded as `owner`'s file object (the API's and the console's
     upload)."""
     upload = await receive_upload(request, storage=storage, settings=settings)
-    return files.record_upload(
+    return await asyncio.to_thread(
+        files.record_upload,
         db=db,
         file_id=upload.file_id,
         size=upload.size,

@@ -185,9 +185,8 @@ def batches_page(
 
 
 async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
-    row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
+    row, stats = await asyncio.to_thread(_batch_and_stats, batch_id, session, db, engine)
     batch = batches.to_wire(row)
-    stats = engine.live_stats(row.id)
     progress = batches.progress(row, stats)
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
@@ -201,6 +200,12 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
         "error_lines": [present.error_line(line) for line in error_lines],
         "active": batch.status in ACTIVE,
     }
+
+
+def _batch_and_stats(batch_id: str, session: Session, db, engine) -> tuple:
+    """An API replica's engine view reads a batch's live numbers from the database too."""
+    row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
+    return row, engine.live_stats(row.id)
 
 
 @pages.get("/batches/{batch_id}")
@@ -260,8 +265,7 @@ async def upload(
 ) -> Response:
     """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
     row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
-    limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
-    report = await asyncio.to_thread(validate_file, await storage.local_path(row.id), limits)
+    report = await asyncio.to_thread(_check_lines, await storage.local_path(row.id), settings, endpoint, engine)
     problems = [error.model_dump() for error in report.errors]
     return JSONResponse(
         {
@@ -271,6 +275,12 @@ async def upload(
             "problems": problems,
         }
     )
+
+
+def _check_lines(path: Path, settings, endpoint: str, engine):
+    # An API replica's engine view reads the served models from the workers' beats in the database.
+    limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
+    return validate_file(path, limits)
 
 
 @pages.post("/batches")
@@ -325,10 +335,10 @@ async def delete_file(request: Request, file_id: str, session: ChangeDep, db: Db
 
 
 @pages.get("/engine")
-async def engine_page(
+def engine_page(
     request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep
 ) -> Response:
-    gpus = await asyncio.to_thread(gpu_usage)
+    gpus = gpu_usage()
     health = health_status(engine, settings, storage, db)
     return _page(
         request,

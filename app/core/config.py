@@ -111,6 +111,9 @@ class Settings(BaseSettings):
     # A batch still active this long after its completion window ended (its run died, hangs, or the engine is
     # down) is ended by the watchdog with the results its last checkpoint holds.
     watchdog_grace_seconds: float = 300.0
+    # A synchronous database or object-store call made on a thread that runs an event loop raises instead of
+    # stalling that loop (`app/core/blocking.py`): the test suite turns it on, to find such calls.
+    guard_blocking: bool = False
 
     @field_validator("completion_windows")
     @classmethod

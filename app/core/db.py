@@ -17,6 +17,8 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, SQLAlchemyError
 from sqlmodel import Session, create_engine
 
+from app.core.blocking import guard_on, refuse_on_loop
+
 BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 5
 _IMMEDIATE = "vbatch_immediate"
@@ -51,12 +53,19 @@ def sqlite_path(url: str) -> Path:
 def make_engine(url: str) -> Engine:
     if not is_sqlite(url):
         # A connection the server closed (a restart, a failover) is replaced before use, not failed on.
-        return create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
-    sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, connect_args={"check_same_thread": False})
-    event.listen(engine, "connect", _on_connect)
-    event.listen(engine, "begin", _on_begin)
+        engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    else:
+        sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _on_connect)
+        event.listen(engine, "begin", _on_begin)
+    if guard_on():
+        event.listen(engine, "checkout", _on_checkout)
     return engine
+
+
+def _on_checkout(_dbapi_connection, _record, _proxy) -> None:
+    refuse_on_loop("a database connection taken from the pool")
 
 
 @contextmanager
@@ -148,6 +157,7 @@ def _taken_message(where: str, exclusive: bool) -> str:
 def write_problem(engine: Engine) -> str | None:
     """Why the database cannot take a write now (read-only, full disk, unreachable), or None. A writer holding
     the lock is no problem: the check waits for nobody."""
+    refuse_on_loop("write_problem")  # on SQLite it opens a connection of its own, outside the pool
     if engine.dialect.name == "sqlite":
         return _sqlite_write_problem(Path(engine.url.database or ""))
     try:

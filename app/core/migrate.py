@@ -8,6 +8,7 @@ from pathlib import Path
 from alembic import command
 from alembic.config import Config
 
+from app.core.blocking import refuse_on_loop
 from app.core.db import is_sqlite, sqlite_path
 
 
@@ -30,6 +31,7 @@ def alembic_config(url: str) -> Config:
 
 def upgrade_to_head(url: str) -> None:
     """Several processes may start at once on one server database: env.py serialises them on a lock."""
+    refuse_on_loop("upgrade_to_head")  # Alembic's engine is its own, outside `make_engine`'s guard
     if is_sqlite(url):
         sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
     command.upgrade(alembic_config(url), "head")

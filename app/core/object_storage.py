@@ -22,6 +22,7 @@ from pathlib import Path
 
 import aiofiles
 
+from app.core.blocking import refuse_on_loop
 from app.core.disk import DiskReserve
 from app.core.storage import CHUNK_BYTES, ShipParts, Storage, UploadTooLarge, no_bytes
 
@@ -141,7 +142,7 @@ class ObjectStorage(Storage):
         return ship
 
     async def _download_part(self, name: str, length: int, path: Path) -> None:
-        segments = self._committed(name, length)
+        segments = await asyncio.to_thread(self._committed, name, length)
         if segments is None:
             raise FileNotFoundError(f"the committed segments of {name} up to {length} bytes are not in the store")
         partial = path.with_name(f".{path.name}.adopt")
@@ -153,7 +154,7 @@ class ObjectStorage(Storage):
     async def open_part(self, name: str, length: int) -> tuple[AsyncIterator[bytes], int] | None:
         if length == 0:
             return no_bytes(), 0
-        segments = self._committed(name, length)
+        segments = await asyncio.to_thread(self._committed, name, length)
         if segments is None:
             return None
         try:  # under way before anyone answers with it, as `open_prefix`: a part removed by now is None, not 0 bytes
@@ -173,6 +174,7 @@ class ObjectStorage(Storage):
     def _committed(self, part: str, length: int) -> list[str] | None:
         """The segments of `part` that hold its bytes 0..length, in order (None if they do not reach it). A run that
         shipped segments its checkpoint then failed to commit left others beside them: only a chain counts."""
+        refuse_on_loop("obstore.list")
         ends: dict[int, list[int]] = {}
         for batch in obstore.list(self.store, prefix=part):
             for meta in batch:
@@ -183,18 +185,21 @@ class ObjectStorage(Storage):
         return None if chain is None else [segment_name(part, start, end) for start, end in chain]
 
     def names(self) -> list[str]:
+        refuse_on_loop("obstore.list")
         stored = [meta["path"] for batch in obstore.list(self.store) for meta in batch]
         return sorted(set(stored) | set(super().names()))
 
     def age_seconds(self, name: str) -> float:
         if "/" not in name and (self.root / name).exists():
             return super().age_seconds(name)
+        refuse_on_loop("obstore.head")
         try:
             return time.time() - obstore.head(self.store, name)["last_modified"].timestamp()
         except FileNotFoundError:
             return 0.0
 
     def remove_any(self, name: str) -> None:
+        refuse_on_loop("obstore.delete")
         if "/" not in name:  # a segment is only in the store
             super().remove_any(name)
         obstore.delete(self.store, name)
@@ -207,11 +212,12 @@ class ObjectStorage(Storage):
         await super().delete(name)
         await obstore.delete_async(self.store, name)
         if name.endswith(".part"):
-            segments = [meta["path"] for batch in obstore.list(self.store, prefix=name) for meta in batch]
+            segments = [meta["path"] for meta in await obstore.list(self.store, prefix=name).collect_async()]
             if segments:
                 await obstore.delete_async(self.store, segments)
 
     def exists(self, name: str) -> bool:
+        refuse_on_loop("obstore.head")
         try:
             obstore.head(self.store, name)
         except FileNotFoundError:

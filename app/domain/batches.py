@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from collections.abc import Sequence
@@ -218,8 +219,11 @@ async def forget_shards(*, db: Engine, storage: Storage, shards: Sequence[BatchR
             if file_id is not None:
                 with contextlib.suppress(NotFound):  # an earlier try got that far
                     await files.delete(db=db, storage=storage, file_id=file_id, owner=None)
+    await asyncio.to_thread(_delete_rows, db=db, ids=[shard.id for shard in shards])
+
+
+def _delete_rows(*, db: Engine, ids: list[str]) -> None:
     with write_scope(db) as session:
-        ids = [shard.id for shard in shards]
         for row in session.exec(select(BatchRow).where(col(BatchRow.id).in_(ids))).all():
             session.delete(row)
         session.commit()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
@@ -91,7 +92,7 @@ async def open_content(*, db: Engine, storage: Storage, file_id: str, owner: str
     """The file and its bytes, opened before anyone answers with them: a delete from here on cannot cut the stream
     short (an open file reads whole once unlinked; an object store's GET is under way). NotFound if a delete got
     there first."""
-    row = get(db=db, file_id=file_id, owner=owner)
+    row = await asyncio.to_thread(get, db=db, file_id=file_id, owner=owner)
     opened = await storage.open_prefix(file_id)
     if opened is None:
         raise NotFound("File", file_id)
@@ -134,6 +135,11 @@ async def delete(
     """The row goes and a tombstone takes its place, in one write transaction; the bytes go after it commits.
     `keep_if_in_use` (the console) refuses while an active batch reads the file; the API deletes it regardless, as
     OpenAI's does (the batch keeps its own link to the bytes)."""
+    await asyncio.to_thread(_replace_with_tombstone, db, file_id, owner, keep_if_in_use)
+    await storage.delete(file_id)
+
+
+def _replace_with_tombstone(db: Engine, file_id: str, owner: str | None, keep_if_in_use: bool) -> None:
     with write_scope(db) as session:
         row = session.get(FileRow, file_id, with_for_update=True)  # a batch being created from it waits, or we do
         if row is None or not visible(row.owner, owner):
@@ -144,4 +150,3 @@ async def delete(
         session.delete(row)
         session.add(DeletedObject(id=row.id, created_ns=row.created_ns, owner=row.owner))
         session.commit()
-    await storage.delete(file_id)

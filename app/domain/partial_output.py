@@ -6,6 +6,7 @@ into shards its shards' lines so far, in shard order; once it ends, its publishe
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Literal, cast
@@ -26,15 +27,18 @@ async def open_partial(
 ) -> tuple[AsyncIterator[bytes], int]:
     # Twice: a batch can finish between reading its row and opening its part file, which it then removes.
     for _ in range(2):
-        row = batches.get(db=db, batch_id=batch_id, owner=owner)
-        if row.shards and _file_of(row, kind) is None and row.status not in TERMINAL:
-            rows = batches.shards_of(db=db, batch_id=row.id)  # a parent has no lines of its own until it joins them
-        else:
-            rows = [row]
+        rows = await asyncio.to_thread(_rows_with_lines, db=db, batch_id=batch_id, kind=kind, owner=owner)
         opened = [await _open(storage, each, kind) for each in rows]
         if all(each is not None for each in opened):
             return _joined([each for each in opened if each is not None])
     return no_bytes(), 0
+
+
+def _rows_with_lines(*, db: Engine, batch_id: str, kind: Kind, owner: str) -> list[BatchRow]:
+    row = batches.get(db=db, batch_id=batch_id, owner=owner)
+    if row.shards and _file_of(row, kind) is None and row.status not in TERMINAL:
+        return batches.shards_of(db=db, batch_id=row.id)  # a parent has no lines of its own until it joins them
+    return [row]
 
 
 def _file_of(row: BatchRow, kind: Kind) -> str | None:

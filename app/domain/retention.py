@@ -9,6 +9,7 @@ list cursor that names it still pages on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from sqlalchemy.engine import Engine
@@ -39,19 +40,23 @@ def expired_files(*, db: Engine, now: int) -> list[str]:
 async def sweep(*, db: Engine, storage: Storage, now: int, keep_events_seconds: int) -> int:
     """Delete what has expired; the number of files deleted."""
     removed = 0
-    for file_id in expired_files(db=db, now=now):
+    for file_id in await asyncio.to_thread(expired_files, db=db, now=now):
         try:
             await files.delete(db=db, storage=storage, file_id=file_id, owner=None)
             removed += 1
         except NotFound:  # its owner deleted it meanwhile
             continue
-    if leftovers := batches.leftover_shards(db=db):
+    if leftovers := await asyncio.to_thread(batches.leftover_shards, db=db):
         await batches.forget_shards(db=db, storage=storage, shards=leftovers)
         log.info("retention: removed %d shards of batches that had ended", len(leftovers))
-    with write_scope(db) as session:
-        finished = col(WebhookEvent.delivered_at).is_not(None) | col(WebhookEvent.given_up_at).is_not(None)
-        session.exec(delete(WebhookEvent).where(finished, col(WebhookEvent.created_at) < now - keep_events_seconds))
-        session.commit()
+    await asyncio.to_thread(_forget_finished_events, db=db, before=now - keep_events_seconds)
     if removed:
         log.info("retention: deleted %d expired files", removed)
     return removed
+
+
+def _forget_finished_events(*, db: Engine, before: int) -> None:
+    with write_scope(db) as session:
+        finished = col(WebhookEvent.delivered_at).is_not(None) | col(WebhookEvent.given_up_at).is_not(None)
+        session.exec(delete(WebhookEvent).where(finished, col(WebhookEvent.created_at) < before))
+        session.commit()

@@ -73,7 +73,8 @@ async def publish(
     output = await _result_file(storage, settings, row, sink.output, "output")
     error = await _result_file(storage, settings, row, sink.errors, "error")
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
-    batches.publish(
+    commit = partial(
+        batches.publish,
         db=db,
         batch_id=row.id,
         to=status,
@@ -85,10 +86,16 @@ async def publish(
         errors=errors,
         lease=lease,
     )
-    await _unstoppable(_delete_all(storage, run_files(row.id, row.lease_token)))
+    await _unstoppable(_commit_then_delete(commit, storage, run_files(row.id, row.lease_token)))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": row.id, "event": f"batch.{status}", **done}
     log.info("batch %s: %s, %d completed, %d failed", row.id, status, done["completed"], done["failed"], extra=fields)
+
+
+async def _commit_then_delete(commit: Callable[[], object], storage: Storage, names: Sequence[str]) -> None:
+    """A stop that comes while the batch ends waits for the commit, and for the deletes after it."""
+    await asyncio.to_thread(commit)
+    await _delete_all(storage, names)
 
 
 async def _delete_all(storage: Storage, names: Sequence[str]) -> None:
@@ -143,7 +150,7 @@ async def end_from_checkpoint(
     """End the batch as `status` (cancelled if it was being cancelled) with the results its checkpoint counts.
     Unless the disk is full (or not `fill_unfinished`), the lines that never ran get their error line, as at any
     cancel or expiry. Under `lease`, the part files are that lease's, begun from the checkpoint's."""
-    row = batches.get(db=db, batch_id=batch_id, owner=None)
+    row = await asyncio.to_thread(batches.get, db=db, batch_id=batch_id, owner=None)
     if row.status in TERMINAL:
         return
     if row.status == BatchStatus.CANCELLING:
@@ -218,11 +225,12 @@ async def end_overdue(
 async def end_without_results(*, db: Engine, storage: Storage, batch_id: str, lease: Lease | None) -> None:
     """End the batch failed (cancelled, if it was being cancelled) with no result files and no counts, saying so;
     its run files go if they can (the sweep at the next start takes what is left)."""
-    row = batches.get(db=db, batch_id=batch_id, owner=None)
+    row = await asyncio.to_thread(batches.get, db=db, batch_id=batch_id, owner=None)
     if row.status in TERMINAL:
         return
     status = BatchStatus.CANCELLED if row.status == BatchStatus.CANCELLING else BatchStatus.FAILED
-    batches.publish(
+    await asyncio.to_thread(
+        batches.publish,
         db=db,
         batch_id=batch_id,
         to=status,

@@ -35,14 +35,17 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
     any point of it: the batch is then left as the cancel made it."""
     lease = ctx.leases.get(row.id)
     try:
-        source = files.get(db=ctx.db, file_id=row.input_file_id, owner=None)
+        source = await asyncio.to_thread(files.get, db=ctx.db, file_id=row.input_file_id, owner=None)
         report = await _read_input(ctx, row, source.id)
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         if is_disk_full(exc):
             raise
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        failed = _unless_cancelled(
-            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)], lease=lease)
+        failed = await asyncio.to_thread(
+            _unless_cancelled,
+            ctx,
+            row.id,
+            lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=[_input_gone(row)], lease=lease),
         )
         return failed, None
     if not report.ok:
@@ -50,15 +53,19 @@ async def validate(ctx: Context, row: BatchRow) -> tuple[BatchRow, InputIndex | 
         log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
         for error in report.errors:
             ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
-        return _unless_cancelled(
-            ctx, row.id, lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors, lease=lease)
+        return await asyncio.to_thread(
+            _unless_cancelled,
+            ctx,
+            row.id,
+            lambda: batches.fail(db=ctx.db, batch_id=row.id, errors=report.errors, lease=lease),
         ), None
     await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
     shards = await make_shards(ctx, row, report.index, model)
-    started = _unless_cancelled(
+    started = await asyncio.to_thread(
+        _unless_cancelled,
         ctx,
         row.id,
         lambda: batches.start(db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=lease, shards=shards),
@@ -85,7 +92,7 @@ async def load_index(ctx: Context, row: BatchRow) -> InputIndex:
     try:
         return InputIndex.from_bytes(await ctx.storage.read_bytes(index_name(row.id)))
     except FileNotFoundError:
-        linked = ctx.storage.exists(input_name(row.id))
+        linked = await asyncio.to_thread(ctx.storage.exists, input_name(row.id))
         report = await _read_input(ctx, row, source_id=None if linked else row.input_file_id)
         await ctx.storage.save_bytes(index_name(row.id), report.index.to_bytes())
         return report.index

@@ -65,7 +65,7 @@ async def run_batch(ctx: Context, batch_id: str) -> None:
 
 
 async def _run_batch(ctx: Context, batch_id: str) -> None:
-    row = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
+    row = await asyncio.to_thread(batches.get, db=ctx.db, batch_id=batch_id, owner=None)
     lease = ctx.leases.get(batch_id)
     index: InputIndex | None = None
     if row.status == BatchStatus.VALIDATING:
@@ -76,13 +76,13 @@ async def _run_batch(ctx: Context, batch_id: str) -> None:
         try:
             index = index or await load_index(ctx, row)
         except FileNotFoundError:
-            end_without_input(ctx, row)
+            await asyncio.to_thread(end_without_input, ctx, row)
             return
         await BatchRun(ctx, row, index).run()
     elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line: its run files are not needed
         for name in run_files(row.id, row.lease_token):
             await ctx.storage.delete(name)
-        batches.transition(db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
+        await asyncio.to_thread(batches.transition, db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
 
 
 class BatchRun:
@@ -135,9 +135,13 @@ class BatchRun:
         # With the disk full, results stop here: the room left is for the database to end the batch.
         self.ctx.storage.check_room()
         if self.sink.ship is not None:  # segments are written before their commit: not by a run that lost its lease
-            leases.check(batches.get(db=self.ctx.db, batch_id=self.row.id, owner=None), self.lease)
+            leases.check(await self._stored(), self.lease)
         with self.ctx.metrics.checkpoint_seconds.time():
             await self.sink.checkpoint(self._save)
+
+    async def _stored(self) -> BatchRow:
+        """The batch as the database has it now: a cancel, a lease passed on."""
+        return await asyncio.to_thread(batches.get, db=self.ctx.db, batch_id=self.row.id, owner=None)
 
     def _save(self, checkpoint: Checkpoint) -> None:
         batches.save_checkpoint(
@@ -194,7 +198,7 @@ class BatchRun:
                     return turn.result()
                 if self._expired():
                     return BatchStatus.EXPIRED
-                if batches.get(db=ctx.db, batch_id=self.row.id, owner=None).status == BatchStatus.CANCELLING:
+                if (await self._stored()).status == BatchStatus.CANCELLING:
                     return BatchStatus.CANCELLED
         finally:
             if not turn.done():
@@ -301,8 +305,7 @@ class BatchRun:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
             await self._checkpoint()
-            status = batches.get(db=self.ctx.db, batch_id=self.row.id, owner=None).status
-            if status == BatchStatus.CANCELLING:
+            if (await self._stored()).status == BatchStatus.CANCELLING:
                 stop.set_result(BatchStatus.CANCELLED)
                 return
             if self._expired():
@@ -338,7 +341,9 @@ class BatchRun:
         ctx = self.ctx
         if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
             try:
-                batches.transition(db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING, lease=self.lease)
+                await asyncio.to_thread(
+                    batches.transition, db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING, lease=self.lease
+                )
             except InvalidTransition:
                 # Cancelled after its last line had finished: it ends cancelled, with every result it has.
                 status = BatchStatus.CANCELLED

@@ -191,23 +191,25 @@ class EngineService:
         for task in [*self._running.values(), main, beat, listen]:
             task.cancel()
         await asyncio.gather(*self._running.values(), main, beat, listen, return_exceptions=True)
-        self._release_all(db)
+        await asyncio.to_thread(self._release_all, db)
         with contextlib.suppress(Exception):
-            workers.forget(db=db, holder=self.holder)
+            await asyncio.to_thread(workers.forget, db=db, holder=self.holder)
         await self._stop_engine()
         self._loop = None
 
     async def _main(self, db: Engine, storage: Storage, settings: Settings) -> None:
-        with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
-            if freed := leases.release_dead(db=db):
-                log.info("freed the leases of %d holders on this host whose processes are gone", freed)
+        # On a thread while the engine starts, which it does at once (the state /health reports); done before any
+        # claim.
+        freeing = asyncio.ensure_future(self._release_dead(db))
         try:
             serving = await self.live.start()
         except Exception:
             log.exception("the engine failed to start")
             self.live.state = "down"
         else:
+            await freeing
             await self._schedule(self._context(serving, db, storage, settings))
+        await freeing
         # No engine: nothing runs, but every batch still ends once its completion window (and the grace) has passed.
         while True:
             try:
@@ -216,6 +218,11 @@ class EngineService:
             except Exception:
                 log.exception("the watchdog could not look at the batches; it tries again in %s s", POLL_SECONDS)
             await asyncio.sleep(POLL_SECONDS)
+
+    async def _release_dead(self, db: Engine) -> None:
+        with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
+            if freed := await asyncio.to_thread(leases.release_dead, db=db):
+                log.info("freed the leases of %d holders on this host whose processes are gone", freed)
 
     def _context(self, serving: Serving, db: Engine, storage: Storage, settings: Settings) -> Context:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
@@ -322,7 +329,11 @@ class EngineService:
     async def _hold(self, db: Engine, settings: Settings) -> list[BatchRow]:
         """Renew this service's leases, stop the runs of those it lost, and claim the batches no one holds: the
         active batches it now holds, oldest first."""
-        lost = leases.renew(db=db, leases=list(self.leases.values()), seconds=settings.lease_seconds)
+        # Each database call runs on a thread, and what it returns is applied here: the leases, the runs and their
+        # tasks are the loop's alone.
+        lost = await asyncio.to_thread(
+            leases.renew, db=db, leases=list(self.leases.values()), seconds=settings.lease_seconds
+        )
         for batch_id in lost:
             del self.leases[batch_id]
             self._broken.discard(batch_id)
@@ -333,26 +344,42 @@ class EngineService:
                 await asyncio.gather(task, return_exceptions=True)
         room = None if self.hold_at_most is None else self.hold_at_most - len(self.leases)
         if room is None or room > 0:
-            for lease in leases.claim(db=db, holder=self.holder, seconds=settings.lease_seconds, limit=room):
-                self.leases[lease.batch_id] = lease
-                if lease.token > 1:
-                    log.info(
-                        "batch %s: held again (lease token %d); it goes on from its last checkpoint",
-                        lease.batch_id,
-                        lease.token,
-                    )
-        rows = [row for row in batches.active(db=db) if row.id in self.leases]
+            await self._claim(db, settings, room)
+        rows = [row for row in await asyncio.to_thread(batches.active, db=db) if row.id in self.leases]
         active = {row.id for row in rows}
         for batch_id in [b for b in self.leases if b not in active and b not in self._running]:
-            leases.end(db=db, lease=self.leases.pop(batch_id))
+            await asyncio.to_thread(leases.end, db=db, lease=self.leases.pop(batch_id))
         return rows
+
+    async def _claim(self, db: Engine, settings: Settings, room: int | None) -> None:
+        """Hold what the claim took even when a stop cancels the wait for it: a lease taken without this service
+        knowing would not be released at the stop, and would keep its batch from every other one until it ran out."""
+        claiming = asyncio.ensure_future(
+            asyncio.to_thread(leases.claim, db=db, holder=self.holder, seconds=settings.lease_seconds, limit=room)
+        )
+        try:
+            claimed = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            self._keep(await claiming)
+            raise
+        self._keep(claimed)
+
+    def _keep(self, claimed: list[Lease]) -> None:
+        for lease in claimed:
+            self.leases[lease.batch_id] = lease
+            if lease.token > 1:
+                log.info(
+                    "batch %s: held again (lease token %d); it goes on from its last checkpoint",
+                    lease.batch_id,
+                    lease.token,
+                )
 
     async def _beat(self, db: Engine) -> None:
         """Say every second what this service is, for API replicas (`app.domain.workers`); a beat that fails (the
         database gone for a moment) is tried again at the next."""
         while True:
             with contextlib.suppress(Exception):
-                workers.beat(db=db, worker=self.worker_state())
+                await asyncio.to_thread(workers.beat, db=db, worker=self.worker_state())
             await asyncio.sleep(POLL_SECONDS)
 
     async def _listen(self, db: Engine) -> None:

@@ -23,6 +23,7 @@ from app.core.ids import new_id
 from app.domain import batches
 from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
+from app.domain.leases import Lease
 from app.domain.lifecycle import TERMINAL, BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
 from app.domain.results import index_name, input_name
@@ -113,19 +114,25 @@ def _shard_row(parent: BatchRow, number: int, *, total: int, model: str | None) 
 async def run_parent(ctx: Context, row: BatchRow) -> None:
     """Wait for the shards, keeping the parent's counts and passing a cancel on; then join and end."""
     lease = ctx.leases.get(row.id)
-    while True:
-        parent = batches.get(db=ctx.db, batch_id=row.id, owner=None)
-        shards = batches.shards_of(db=ctx.db, batch_id=row.id)
-        if parent.status == BatchStatus.CANCELLING:
-            _cancel(ctx, shards)
-        progress = _sum(shards)
-        if all(shard.status in TERMINAL for shard in shards):
-            break
-        batches.save_checkpoint(
-            db=ctx.db, batch_id=row.id, progress=progress, output_bytes=0, error_bytes=0, lease=lease
-        )
+    while (ended := await asyncio.to_thread(_look_at_shards, ctx, row.id, lease)) is None:
         await asyncio.sleep(ctx.settings.checkpoint_seconds)
-    await _join(ctx, parent, shards, progress)
+    await _join(ctx, *ended)
+
+
+def _look_at_shards(
+    ctx: Context, batch_id: str, lease: Lease | None
+) -> tuple[BatchRow, list[BatchRow], Progress] | None:
+    """Pass a cancel on and keep the parent's counts; once every shard has ended, the parent, its shards and their
+    counts (None before)."""
+    parent = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
+    shards = batches.shards_of(db=ctx.db, batch_id=batch_id)
+    if parent.status == BatchStatus.CANCELLING:
+        _cancel(ctx, shards)
+    progress = _sum(shards)
+    if all(shard.status in TERMINAL for shard in shards):
+        return parent, shards, progress
+    batches.save_checkpoint(db=ctx.db, batch_id=batch_id, progress=progress, output_bytes=0, error_bytes=0, lease=lease)
+    return None
 
 
 def _cancel(ctx: Context, shards: list[BatchRow]) -> None:
@@ -168,7 +175,9 @@ async def _join(ctx: Context, parent: BatchRow, shards: list[BatchRow], progress
     status = _status(parent, shards)
     if status == BatchStatus.COMPLETED and parent.status != BatchStatus.FINALIZING:
         try:
-            batches.transition(db=ctx.db, batch_id=parent.id, to=BatchStatus.FINALIZING, lease=lease)
+            await asyncio.to_thread(
+                batches.transition, db=ctx.db, batch_id=parent.id, to=BatchStatus.FINALIZING, lease=lease
+            )
         except InvalidTransition:
             status = BatchStatus.CANCELLED  # cancelled after its last shard had finished
     await publish(
