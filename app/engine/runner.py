@@ -302,15 +302,23 @@ class BatchRun:
         self.meter.result()
 
     async def _tick(self, stop: asyncio.Future) -> None:
+        """Resolves `stop` with the status that stops the run, or with the error a tick raised (a full disk, a lost
+        lease, a database that takes no write): a run without ticks would go on with no checkpoint, deaf to a cancel."""
+        try:
+            status = await self._ticks()
+        except Exception as exc:
+            stop.set_exception(exc)
+        else:
+            stop.set_result(status)
+
+    async def _ticks(self) -> BatchStatus:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
             await self._checkpoint()
             if (await self._stored()).status == BatchStatus.CANCELLING:
-                stop.set_result(BatchStatus.CANCELLED)
-                return
+                return BatchStatus.CANCELLED
             if self._expired():
-                stop.set_result(BatchStatus.EXPIRED)
-                return
+                return BatchStatus.EXPIRED
             self.meter.sample(self.sink.progress)
             self._log_progress()
 
