@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from fastapi.testclient import TestClient
 
 from app.domain import batches
@@ -23,7 +24,7 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart(settings):

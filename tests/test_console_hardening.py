@@ -104,7 +104,7 @@ def test_reading_any_cookie_or_token_never_raises(text, lone):
 # 2. Logout ends the session: a copy of the cookie stops working at once, in every replica.
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres_s3"], indirect=True)
+@pytest.mark.both_backends
 def test_a_cookie_copied_before_logout_stops_working_in_every_replica(settings):
     keyed = with_keys(settings)
     one_app, other_app = create_app(keyed, WorkersView(), Role.API), create_app(keyed, WorkersView(), Role.API)

@@ -17,7 +17,7 @@ from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import jsonl, request_line, wait_for
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 KEYS = {"a": "sk-fair-a", "b": "sk-fair-b"}
 

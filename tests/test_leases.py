@@ -36,7 +36,7 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -10,7 +11,7 @@ from app.engine.service import EngineService
 from app.main import create_app
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 FINAL = {"completed", "failed", "cancelled", "expired"}
 

@@ -7,6 +7,7 @@ import asyncio
 import json
 from collections import Counter
 
+import pytest
 from fastapi.testclient import TestClient
 
 from app.engine.service import EngineService
@@ -24,7 +25,7 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_restart_resumes_without_rerunning_finished_lines(settings):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlmodel import col, select
 
 from app.core import clock
@@ -13,7 +14,7 @@ from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow, FileRow
 from tests.helpers import create_batch, jsonl, request_line, stored_names, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 HOUR = 3600
 FINAL = {"completed", "failed", "cancelled", "expired"}

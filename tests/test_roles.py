@@ -23,7 +23,7 @@ from app.main import create_app
 from app.testing import FakeEngine, VbatchServer, free_port
 from tests.helpers import jsonl, request_line, wait_for
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 LEASE_SECONDS = 3
 SHARD_LINES = 500  # the 1,200-line batch below runs as three shards, the 3,000-line ones as six, the others whole
 

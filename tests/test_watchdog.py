@@ -30,7 +30,7 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 FINAL = {"completed", "failed", "cancelled", "expired"}
 GRACE = 1.0

@@ -26,7 +26,7 @@ from app.testing import VbatchServer, free_port
 from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
 from tests.test_metrics import scrape
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
 FINAL = {"completed", "failed", "cancelled", "expired"}
