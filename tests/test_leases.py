@@ -102,6 +102,10 @@ def test_leases_of_this_hosts_dead_processes_are_freed(db):
     assert [lease.batch_id for lease in leases.claim(db=db, holder="h", seconds=30)] == [ids[0]]
 
 
+def lease_ended(db, batch_id: str) -> bool:
+    return batches.get(db=db, batch_id=batch_id, owner=None).lease_expires_ns is None
+
+
 def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(settings):
     settings = settings.model_copy(update={"lease_seconds": 2.0})
     other_engine = FakeEngine()
@@ -127,7 +131,9 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
             assert Counter(line["custom_id"] for line in output) == Counter(f"r{i}" for i in range(20))
             assert other_engine.executor.calls == 15  # the five checkpointed lines were not run again
             published = client.get(f"/v1/files/{done['output_file_id']}/content").content
-            wait_for(lambda: batch["id"] not in other.leases)  # its run over: nothing renews the row's lease now
+            # Its run over: nothing renews the row's lease now. The service drops the lease from its dict before it
+            # writes the end to the row, so the row is what says the end is written.
+            wait_for(lambda: batch["id"] not in other.leases and lease_ended(db, batch["id"]))
             row = batches.get(db=db, batch_id=batch["id"], owner=None).model_dump()
             # The stalled service comes back, its held lines answered: it finds its lease gone and writes nothing.
             stalled_engine.executor.gate.set()
