@@ -1,7 +1,8 @@
 """Shared fixtures. Unit tests run the real app on a real SQLite file with a fake engine; a module that sets
-`BACKENDS = ("sqlite", "postgres_s3")` runs each of its tests on both shapes: SQLite and the data directory, and
-Postgres (PyPI's `pgserver`) with an S3 store (moto's server), each started once per session ("postgres" alone:
-Postgres with the data directory). End-to-end tests (tests/e2e) start the real `vbatch serve` once per session."""
+`pytestmark = pytest.mark.both_backends` (or a test marked so) runs each of its tests that reach the `backend`
+fixture on both shapes: SQLite and the data directory, and Postgres (PyPI's `pgserver`) with an S3 store (moto's
+server), each started once per session. A test may parametrize `backend` itself ("postgres" alone: Postgres with the
+data directory). End-to-end tests (tests/e2e) start the real `vbatch serve` once per session."""
 
 from __future__ import annotations
 
@@ -24,10 +25,20 @@ os.environ.setdefault("VBATCH_ALLOWED_HOSTS", "testserver")
 os.environ["VBATCH_GUARD_BLOCKING"] = "true"
 
 
-def pytest_generate_tests(metafunc):
-    backends = getattr(metafunc.module, "BACKENDS", None)
-    if backends and "backend" in metafunc.fixturenames:
-        metafunc.parametrize("backend", backends, indirect=True)
+BOTH_BACKENDS = ("sqlite", "postgres_s3")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "both_backends: run on SQLite and files, and on Postgres with an S3 store")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if hasattr(metafunc.module, "BACKENDS"):
+        # The header this marker replaced: left in a module, it would now run that module on SQLite alone, silently.
+        raise pytest.UsageError(f"{metafunc.module.__name__}: BACKENDS is no longer read; mark it both_backends")
+    # Only tests that reach `backend`: a module's pure unit tests keep running once.
+    if metafunc.definition.get_closest_marker("both_backends") and "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BOTH_BACKENDS, indirect=True)
 
 
 @pytest.fixture(scope="session")

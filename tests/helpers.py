@@ -3,8 +3,9 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import uvicorn
@@ -14,7 +15,13 @@ from app.core import failpoints
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.core.stores import open_storage
+from app.engine.service import EngineService
+from app.engine.serving import EngineFactory
+from app.main import create_app
 from app.testing import FAKE_MODEL as MODEL
+from app.testing import FakeEngine
+
+FINAL = frozenset({"completed", "failed", "cancelled", "expired"})
 
 
 def storage_of(settings: Settings) -> Storage:
@@ -60,7 +67,7 @@ def wait_for(predicate: Callable[[], dict | None], timeout: float = 20.0) -> dic
     raise AssertionError("condition not reached in time")
 
 
-def wait_status(client: TestClient, batch_id: str, statuses: set[str], timeout: float = 20.0) -> dict:
+def wait_status(client: TestClient, batch_id: str, statuses: Collection[str], timeout: float = 20.0) -> dict:
     def reached() -> dict | None:
         batch = client.get(f"/v1/batches/{batch_id}").json()
         return batch if batch["status"] in statuses else None
@@ -101,3 +108,41 @@ def holding(data_dir: Path) -> Iterator[None]:
         yield
     finally:
         hold.unlink(missing_ok=True)
+
+
+@contextmanager
+def app_on(settings: Settings, engine: EngineFactory | None = None) -> Iterator[TestClient]:
+    """The app started on the database and files `settings` name, over `engine` (a fresh fake one unless given),
+    until the block ends. A second block on the same settings is a restart: it finds what the first left."""
+    with TestClient(create_app(settings, EngineService(engine or FakeEngine()))) as client:
+        yield client
+
+
+@dataclass
+class HeldBatch:
+    """A batch whose engine answered its first lines and holds the others in flight (`engine.executor.gate` lets
+    them go); `source` is its input file object, `batch` the batch object as created."""
+
+    client: TestClient
+    engine: FakeEngine
+    source: dict
+    batch: dict
+
+
+@contextmanager
+def held_batch(settings: Settings, *, lines: int, answered: int, **create) -> Iterator[HeldBatch]:
+    """A new batch of `lines` requests r0, r1, ... on an app over a fake engine that answers the first `answered`
+    and holds the rest. The block starts once those are checkpointed; at its end the app stops mid-batch."""
+    engine = FakeEngine()
+    engine.executor.answer_first = answered
+    with app_on(settings, engine) as client:
+        source = upload(client, jsonl([request_line(f"r{i}") for i in range(lines)]))
+        batch = create_batch(client, source["id"], **create)
+        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == answered)
+        yield HeldBatch(client, engine, source, batch)
+
+
+def stopped_mid_batch(settings: Settings, *, lines: int, answered: int, **create) -> HeldBatch:
+    """`held_batch` with its app already stopped: what a restart on the same settings resumes."""
+    with held_batch(settings, lines=lines, answered=answered, **create) as held:
+        return held

@@ -12,7 +12,7 @@ from app.core.auth import KeyRing, open_binding_refusal, read_keys
 from app.core.config import Settings
 from tests.helpers import jsonl, request_line, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 KEY_A, KEY_B, KEY_IN_FILE = "sk-tenant-a-0123456789", "sk-tenant-b-9876543210", "sk-from-the-file-42"
 ENDPOINTS = [

@@ -4,39 +4,36 @@ from __future__ import annotations
 
 from collections import Counter
 
-from fastapi.testclient import TestClient
+import pytest
 
 from app.domain import batches
 from app.domain.schemas import CreateBatchRequest
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import (
+    FINAL,
+    app_on,
     create_batch,
+    held_batch,
     jsonl,
     read_jsonl,
     request_line,
+    stopped_mid_batch,
     storage_of,
     stored_names,
     upload,
-    wait_for,
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_input_deleted_while_running_leaves_the_batch_its_input_across_a_restart(settings):
-    held = FakeEngine()
-    held.executor.answer_first = 2
-    with TestClient(create_app(settings, EngineService(held))) as client:
-        source = upload(client, jsonl([request_line(f"r{i}") for i in range(10)]))
-        batch = create_batch(client, source["id"])
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
-        assert client.delete(f"/v1/files/{source['id']}").status_code == 200
+    with held_batch(settings, lines=10, answered=2) as held:
+        assert held.client.delete(f"/v1/files/{held.source['id']}").status_code == 200
+    source, batch = held.source, held.batch
     assert source["id"] not in stored_names(settings)
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
-        done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+    with app_on(settings) as client:
+        done = wait_status(client, batch["id"], FINAL)
         outputs = read_jsonl(client, done["output_file_id"])
     assert done["status"] == "completed" and done["request_counts"]["completed"] == 10
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(10))
@@ -73,25 +70,20 @@ def test_a_cancel_after_the_last_line_ends_the_batch_cancelled(client, settings,
             batches.request_cancel(db=db, batch_id=batch["id"], owner="")
 
     fake_engine.executor.before_answer = cancel_on_the_last
-    done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+    done = wait_status(client, batch["id"], FINAL)
     assert done["status"] == "cancelled" and done["cancelled_at"] is not None
     assert done["request_counts"] == {"total": 3, "completed": 3, "failed": 0}
     assert len(read_jsonl(client, done["output_file_id"])) == 3
 
 
 def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
-    held = FakeEngine()
-    held.executor.answer_first = 2
-    with TestClient(create_app(settings, EngineService(held))) as client:
-        source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)]))
-        batch = create_batch(client, source["id"])
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
+    batch = stopped_mid_batch(settings, lines=6, answered=2).batch
     # As a batch started by a vbatch that kept neither an index nor its own name for the input left it.
     for suffix in (".index", ".input"):
         storage_of(settings).remove_any(f"{batch['id']}{suffix}")
     resumed = FakeEngine()
-    with TestClient(create_app(settings, EngineService(resumed))) as client:
-        done = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+    with app_on(settings, resumed) as client:
+        done = wait_status(client, batch["id"], FINAL)
         outputs = read_jsonl(client, done["output_file_id"])
     assert done["status"] == "completed" and resumed.executor.calls == 4
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(6))
@@ -115,7 +107,7 @@ def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation
     good = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
     bad = create_batch(client, upload(client, jsonl([request_line("b", model="no-such-model")]))["id"])
     for batch in (good, bad):
-        ended = wait_status(client, batch["id"], {"completed", "failed", "cancelled", "expired"})
+        ended = wait_status(client, batch["id"], FINAL)
         assert ended["status"] == "cancelled" and ended["request_counts"]["total"] == 0
     assert fake_engine.executor.calls == 0
     assert sorted(client.app.state.storage.names()) == sorted(f["id"] for f in client.get("/v1/files").json()["data"])

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
+
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 BATCH_KEYS = {
     "id", "object", "endpoint", "model", "errors", "input_file_id", "completion_window", "status",

@@ -14,7 +14,7 @@ from app.core.config import Settings
 from app.core.db import make_engine, session_scope
 from app.core.object_storage import ObjectStorage
 
-BACKENDS = ("sqlite", "postgres")
+pytestmark = pytest.mark.both_backends
 
 
 def test_the_suite_runs_with_the_guard_on_and_production_without_it():

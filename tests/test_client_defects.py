@@ -7,17 +7,13 @@ import io
 import httpx
 import openai
 import pytest
-from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from app.core import clock
 from app.core.config import Settings
-from app.engine.service import EngineService
-from app.main import create_app
 from app.openapi import served_openapi
 from app.testing import FAKE_MODEL as MODEL
-from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, request_line, upload
+from tests.helpers import app_on, create_batch, jsonl, request_line, upload
 
 
 def sdk(client, *, max_retries: int = 0) -> tuple[OpenAI, list[httpx.Request]]:
@@ -67,7 +63,7 @@ def test_cursor_of_an_expired_file_pages_on(client, monkeypatch):
 
 def test_another_keys_deleted_cursor_stays_unknown(tmp_path):
     settings = Settings(data_dir=tmp_path / "d", api_keys="sk-a,sk-b")
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as raw:
+    with app_on(settings) as raw:
         a = {"Authorization": "Bearer sk-a"}
         b = {"Authorization": "Bearer sk-b"}
         mine = raw.post("/v1/files", files={"file": ("x.jsonl", b"{}\n")}, data={"purpose": "user_data"}, headers=a)

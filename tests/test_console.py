@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import time
 
+import pytest
 from fastapi.testclient import TestClient
 
 from app.console import sessions as sessions_module
@@ -16,7 +17,7 @@ from app.core.gpu import GpuUsage, _parse
 from app.main import create_app
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 KEY_A, KEY_B = "sk-console-a-0123456789", "sk-console-b-9876543210"
 CSRF = re.compile(r'<meta name="csrf-token" content="([^"]*)">')

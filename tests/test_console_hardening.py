@@ -27,7 +27,7 @@ from app.engine.view import WorkersView
 from app.launch import server_options
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port
-from tests.helpers import create_batch, jsonl, request_line, serving, upload
+from tests.helpers import app_on, create_batch, jsonl, request_line, serving, upload
 from tests.test_console import CSRF, KEY_A, KEY_B, csrf_of, logged_in
 
 # A cookie whose payload decodes (`x.1.y`) and whose signature is one Latin-1 byte: what made hmac raise.
@@ -104,7 +104,7 @@ def test_reading_any_cookie_or_token_never_raises(text, lone):
 # 2. Logout ends the session: a copy of the cookie stops working at once, in every replica.
 
 
-@pytest.mark.parametrize("backend", ["sqlite", "postgres_s3"], indirect=True)
+@pytest.mark.both_backends
 def test_a_cookie_copied_before_logout_stops_working_in_every_replica(settings):
     keyed = with_keys(settings)
     one_app, other_app = create_app(keyed, WorkersView(), Role.API), create_app(keyed, WorkersView(), Role.API)
@@ -200,7 +200,7 @@ def test_every_page_satisfies_the_policy_with_no_inline_script_or_style(client, 
         html = client.get(page).text
         assert INLINE.search(html) is None, (page, INLINE.search(html))
     keyed_settings = Settings(data_dir=tmp_path / "keyed", api_keys=KEY_A, disk_reserve_bytes=65536)
-    with TestClient(create_app(keyed_settings, EngineService(FakeEngine()))) as keyed:
+    with app_on(keyed_settings) as keyed:
         login = keyed.get("/console/login")
         assert login.status_code == 200 and INLINE.search(login.text) is None
 

@@ -11,12 +11,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
-
-FINAL = {"completed", "failed", "cancelled", "expired"}
+from tests.helpers import FINAL, app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 
 @pytest.fixture
@@ -64,7 +60,7 @@ def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_d
     )
     engine = FakeEngine()
     engine.executor.answer_first = 3
-    with TestClient(create_app(settings, EngineService(engine))) as client:
+    with app_on(settings, engine) as client:
         assert client.get("/health").status_code == 200
         running = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(60)]))["id"])
         queued = create_batch(client, upload(client, jsonl([request_line(f"q{i}") for i in range(5)]))["id"])

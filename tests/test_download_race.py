@@ -20,7 +20,7 @@ from app.main import create_app
 from app.testing import free_port
 from tests.helpers import serving, upload
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 # Over one storage chunk (1 MiB): the body takes more than one read.
 CONTENT = os.urandom((1 << 20) + 4096)

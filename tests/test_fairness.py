@@ -12,12 +12,10 @@ from fastapi.testclient import TestClient
 from app.core.config import Settings
 from app.domain import batches
 from app.engine.feed import FairFeed
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import jsonl, request_line, wait_for
+from tests.helpers import app_on, jsonl, request_line, wait_for
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 KEYS = {"a": "sk-fair-a", "b": "sk-fair-b"}
 
@@ -25,7 +23,7 @@ KEYS = {"a": "sk-fair-a", "b": "sk-fair-b"}
 @pytest.fixture
 def keyed(tmp_path: Path, fake_engine: FakeEngine):
     settings = Settings(data_dir=tmp_path / "data", api_keys=",".join(KEYS.values()), checkpoint_seconds=0.05)
-    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+    with app_on(settings, fake_engine) as client:
         yield client
 
 

@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import upload
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_upload_returns_file_object_and_exact_bytes(client):

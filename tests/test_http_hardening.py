@@ -19,7 +19,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import text
 from sqlalchemy.engine import make_url
 
@@ -33,7 +32,7 @@ from app.engine.service import EngineService
 from app.launch import server_options
 from app.main import create_app
 from app.testing import FakeEngine, VbatchServer, free_port
-from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for
+from tests.helpers import app_on, create_batch, jsonl, request_line, serving, upload, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 ATTACKER = "attacker.example"
@@ -93,7 +92,7 @@ def running(settings: Settings, **options) -> Iterator[int]:
 
 def test_a_read_only_postgres_gets_503_on_writes(postgres, tmp_path):
     url = postgres.new_database()
-    with TestClient(create_app(settings_of(tmp_path, database_url=url), EngineService(FakeEngine()))) as client:
+    with app_on(settings_of(tmp_path, database_url=url)) as client:
         db = client.app.state.db  # type: ignore[attr-defined]
         with db.connect() as connection:
             connection.execute(text(f"ALTER DATABASE {make_url(url).database} SET default_transaction_read_only = on"))
@@ -116,7 +115,7 @@ def unprivileged(command: list[str]) -> list[str]:
 
 @pytest.mark.skipif(os.geteuid() == 0 and shutil.which("setpriv") is None, reason="root needs setpriv to drop a cap")
 def test_a_read_only_database_is_named_by_health_and_writes_get_503(settings, tmp_path):
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:  # a service that ran before
+    with app_on(settings) as client:  # a service that ran before
         source = upload(client, jsonl([request_line("a")]))
     settings.database_path.chmod(0o444)
     port = free_port()
@@ -192,7 +191,7 @@ def test_without_keys_only_loopback_hosts_are_served(tmp_path):
 )
 def test_allowed_hosts_widen_the_host_rule_and_keys_lift_it(tmp_path, keys, allowed, served):
     settings = settings_of(tmp_path, api_keys=keys, allowed_hosts=allowed)
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         for host in ("VBATCH.internal:1234", "other.example", ATTACKER):
             response = client.get("/v1/files", headers={"host": host, "authorization": "Bearer sk-a"})
             assert response.status_code == (200 if host in served else 400), host
@@ -208,7 +207,7 @@ def test_docs_are_off_by_default(client):
 
 def test_openapi_json_needs_a_key_when_keys_are_configured(settings):
     settings.api_keys = "sk-a"
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         refused = client.get("/openapi.json")
         assert refused.status_code == 401 and envelope(refused.content)["type"] == "invalid_request_error"
         served = client.get("/openapi.json", headers={"authorization": "Bearer sk-a"})
@@ -216,7 +215,7 @@ def test_openapi_json_needs_a_key_when_keys_are_configured(settings):
 
 
 def test_docs_can_be_turned_on(tmp_path):
-    with TestClient(create_app(settings_of(tmp_path, api_docs=True), EngineService(FakeEngine()))) as client:
+    with app_on(settings_of(tmp_path, api_docs=True)) as client:
         assert client.get("/docs").status_code == 200 and client.get("/redoc").status_code == 200
 
 

@@ -13,7 +13,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import psutil
 import pytest
-from fastapi.testclient import TestClient
 
 from app.core.db import make_engine, session_scope
 from app.domain import batches, leases
@@ -22,27 +21,24 @@ from app.domain.leases import LeaseLost
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine, add_running_batches
 from tests.helpers import (
-    create_batch,
-    jsonl,
+    app_on,
+    held_batch,
     read_jsonl,
-    request_line,
     storage_of,
     stored_names,
-    upload,
     wait_for,
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture
 def db(settings, backend):
     # The app's start migrates the database; a client started and stopped leaves it at head.
-    with TestClient(create_app(settings, EngineService(FakeEngine()))):
+    with app_on(settings):
         pass
     engine = make_engine(settings.database)
     yield engine
@@ -106,14 +102,16 @@ def test_leases_of_this_hosts_dead_processes_are_freed(db):
     assert [lease.batch_id for lease in leases.claim(db=db, holder="h", seconds=30)] == [ids[0]]
 
 
+def lease_ended(db, batch_id: str) -> bool:
+    return batches.get(db=db, batch_id=batch_id, owner=None).lease_expires_ns is None
+
+
 def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(settings):
     settings = settings.model_copy(update={"lease_seconds": 2.0})
-    stalled_engine, other_engine = FakeEngine(), FakeEngine()
-    stalled_engine.executor.answer_first = 5  # then holds the rest in flight
-    with TestClient(create_app(settings, EngineService(stalled_engine))) as client:
+    other_engine = FakeEngine()
+    with held_batch(settings, lines=20, answered=5) as held:
+        client, stalled_engine, batch = held.client, held.engine, held.batch
         stalled: EngineService = client.app.state.engine
-        batch = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(20)]))["id"])
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 5)
         # Stop the stalled service's loop dead, as SIGSTOP would: no renewals, no writes.
         frozen, thawed = threading.Event(), threading.Event()
 
@@ -133,7 +131,9 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
             assert Counter(line["custom_id"] for line in output) == Counter(f"r{i}" for i in range(20))
             assert other_engine.executor.calls == 15  # the five checkpointed lines were not run again
             published = client.get(f"/v1/files/{done['output_file_id']}/content").content
-            wait_for(lambda: batch["id"] not in other.leases)  # its run over: nothing renews the row's lease now
+            # Its run over: nothing renews the row's lease now. The service drops the lease from its dict before it
+            # writes the end to the row, so the row is what says the end is written.
+            wait_for(lambda: batch["id"] not in other.leases and lease_ended(db, batch["id"]))
             row = batches.get(db=db, batch_id=batch["id"], owner=None).model_dump()
             # The stalled service comes back, its held lines answered: it finds its lease gone and writes nothing.
             stalled_engine.executor.gate.set()

@@ -15,7 +15,7 @@ import httpx
 import psutil
 
 from app.testing import VbatchServer, free_port
-from tests.helpers import jsonl, request_line
+from tests.helpers import FINAL, jsonl, request_line
 
 UPLOADS = 50
 UPLOAD_BYTES = 5 * 1024 * 1024
@@ -23,7 +23,6 @@ CLIENTS = 20
 BATCHES_PER_CLIENT = 3
 LINES_PER_BATCH = 10
 DELETES_PER_CLIENT = 30
-FINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 class Record:

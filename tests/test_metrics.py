@@ -3,16 +3,13 @@
 
 from __future__ import annotations
 
+import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.engine.service import EngineService
-from app.main import create_app
-from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
+from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
-
-FINAL = {"completed", "failed", "cancelled", "expired"}
+pytestmark = pytest.mark.both_backends
 
 
 def scrape(client: TestClient) -> dict[tuple[str, tuple], float]:
@@ -61,6 +58,6 @@ def test_counters_agree_with_the_batch_and_the_state_is_read_at_scrape_time(clie
 
 def test_metrics_need_a_key_when_keys_are_configured(settings, engine_service):
     settings.api_keys = "sk-alice"
-    with TestClient(create_app(settings, EngineService(engine_service.factory))) as client:
+    with app_on(settings, engine_service.factory) as client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"authorization": "Bearer sk-alice"}).status_code == 200

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from fastapi.testclient import TestClient
 
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
-from tests.helpers import create_batch, jsonl, request_line, upload, wait_for
+from tests.helpers import app_on, create_batch, jsonl, request_line, upload, wait_for
 from tests.test_metrics import scrape
 
 KEYS = ("sk-tenant-a", "sk-tenant-b")
@@ -33,7 +31,7 @@ def _batch_series(metrics: dict) -> set[str]:
 def test_a_key_sees_the_series_of_its_own_running_batches_and_no_other_keys(settings, fake_engine: FakeEngine):
     settings.api_keys = ",".join(KEYS)
     executor = fake_engine.executor
-    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+    with app_on(settings, fake_engine) as client:
         executor.answer_first = 2
         a_batch = _running_with_two_done(client, KEYS[0])
         wait_for(lambda: executor.calls == 3)  # the third line of a's is held

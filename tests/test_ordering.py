@@ -8,7 +8,7 @@ from collections import Counter
 from app.domain.input_index import PREFIX_CHARS, InputIndex
 from app.domain.validation import Limits, validate_file
 from app.engine.ordering import ordered_lines, pin_to_ranks, plan
-from tests.helpers import create_batch, jsonl, read_jsonl, upload, wait_status
+from tests.helpers import app_on, create_batch, jsonl, read_jsonl, upload, wait_status
 
 INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABCD"}
 
@@ -95,15 +95,11 @@ def test_each_shared_prefix_group_is_pinned_to_one_rank_largest_first(tmp_path):
 
 
 def test_the_service_sends_a_groups_lines_to_its_rank(settings):
-    from fastapi.testclient import TestClient
-
-    from app.engine.service import EngineService
-    from app.main import create_app
     from app.testing import FakeEngine
 
     engine = FakeEngine(data_parallel_size=2)
     lines = interleaved()
-    with TestClient(create_app(settings, EngineService(engine))) as client:
+    with app_on(settings, engine) as client:
         done = wait_status(client, create_batch(client, upload(client, jsonl(lines))["id"])["id"], {"completed"})
     assert done["request_counts"]["completed"] == len(lines)
     rank_of = {

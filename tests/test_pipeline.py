@@ -9,6 +9,8 @@ import pathlib
 import time
 from collections import Counter
 
+import pytest
+
 from app.domain.batches import Progress
 from app.engine import meter as meter_module
 from app.engine.meter import MAX_SAMPLES, RunMeter
@@ -16,7 +18,7 @@ from app.engine.offline import run_file
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 class ReadCounter:

@@ -7,16 +7,16 @@ import asyncio
 import json
 from collections import Counter
 
-from fastapi.testclient import TestClient
+import pytest
 
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import (
+    app_on,
     create_batch,
     jsonl,
     read_jsonl,
     request_line,
+    stopped_mid_batch,
     storage_of,
     stored_names,
     upload,
@@ -24,16 +24,11 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_restart_resumes_without_rerunning_finished_lines(settings):
-    first_engine = FakeEngine()
-    first_engine.executor.answer_first = 5
-    with TestClient(create_app(settings, EngineService(first_engine))) as client:
-        source = upload(client, jsonl([request_line(f"r{i}") for i in range(20)]))
-        batch = create_batch(client, source["id"])
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 5)
+    batch = stopped_mid_batch(settings, lines=20, answered=5).batch
     # The run's part file carries its lease's token: the one run so far wrote the one output part.
     [output_part] = settings.files_dir.glob(f"{batch['id']}.*.output.part")
     first_lines = output_part.read_bytes().splitlines()
@@ -45,7 +40,7 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
         torn.write(b'{"id":"batch_req_torn","custom_id":"r1')
 
     second_engine = FakeEngine()
-    with TestClient(create_app(settings, EngineService(second_engine))) as client:
+    with app_on(settings, second_engine) as client:
         done = wait_status(client, batch["id"], {"completed"})
         outputs = read_jsonl(client, done["output_file_id"])
     assert second_engine.executor.calls == 15
@@ -82,11 +77,11 @@ def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engi
 
 
 def test_start_sweeps_what_a_crash_left_and_keeps_the_rest(settings):
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         kept = upload(client, jsonl([request_line("a")]))
     (settings.files_dir / ".file-torn.upload").write_bytes(b"{}\n")
     for name in ["file-neverrecorded", "batch_gone.output.part"]:
         asyncio.run(storage_of(settings).save_bytes(name, b"{}\n"))
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         assert client.get(f"/v1/files/{kept['id']}/content").content == jsonl([request_line("a")])
     assert stored_names(settings) == [kept["id"]]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from sqlmodel import col, select
 
 from app.core import clock
@@ -11,12 +12,11 @@ from app.core.db import session_scope
 from app.domain import files, retention
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow, FileRow
-from tests.helpers import create_batch, jsonl, request_line, stored_names, upload, wait_for, wait_status
+from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, stored_names, upload, wait_for, wait_status
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 HOUR = 3600
-FINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 def upload_expiring(client, content: bytes, seconds: int, purpose: str = "batch") -> dict:
@@ -62,13 +62,8 @@ def test_expired_files_go_from_disk_and_database_and_an_active_batchs_input_stay
 
 
 def test_the_periodic_sweeper_runs_on_its_own(settings, fake_engine, monkeypatch):
-    from fastapi.testclient import TestClient
-
-    from app.engine.service import EngineService
-    from app.main import create_app
-
     settings.retention_sweep_seconds = 0.05
-    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+    with app_on(settings, fake_engine) as client:
         short = upload_expiring(client, jsonl([request_line("s")]), HOUR)
         real_now = clock.now
         monkeypatch.setattr(clock, "now", lambda: real_now() + 2 * HOUR)

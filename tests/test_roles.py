@@ -12,18 +12,15 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from openai import OpenAI
 
 from app.core.config import Settings
 from app.core.db import make_engine
 from app.domain import batches
-from app.engine.service import EngineService
-from app.main import create_app
-from app.testing import FakeEngine, VbatchServer, free_port
-from tests.helpers import jsonl, request_line, wait_for
+from app.testing import VbatchServer, free_port
+from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 LEASE_SECONDS = 3
 SHARD_LINES = 500  # the 1,200-line batch below runs as three shards, the 3,000-line ones as six, the others whole
 
@@ -128,13 +125,11 @@ def answers(client: OpenAI, file_id: str | None) -> dict[str, dict]:
 
 def single_process_answers(tmp_path: Path, name: str, lines: int) -> dict[str, dict]:
     settings = Settings(data_dir=tmp_path / "alone", checkpoint_seconds=0.1, disk_reserve_bytes=65536)
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
-        content = jsonl([request_line(f"{name}-{i}") for i in range(lines)])
-        file_id = client.post("/v1/files", files={"file": ("in.jsonl", content)}, data={"purpose": "batch"})
-        body = {"input_file_id": file_id.json()["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}
-        batch_id = client.post("/v1/batches", json=body).json()["id"]
+    with app_on(settings) as client:
+        source = upload(client, jsonl([request_line(f"{name}-{i}") for i in range(lines)]))
+        batch_id = create_batch(client, source["id"])["id"]
         output = wait_for(lambda: client.get(f"/v1/batches/{batch_id}").json()["output_file_id"])
-        rows = [json.loads(line) for line in client.get(f"/v1/files/{output}/content").content.splitlines()]
+        rows = read_jsonl(client, output)
     return {row["custom_id"]: row["response"]["body"] for row in rows}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import yaml
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
@@ -17,7 +18,7 @@ from app.openapi import served_openapi
 ROOT = Path(__file__).resolve().parent.parent
 
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_migrations_reach_the_models(settings):

@@ -13,7 +13,7 @@ from fastapi.testclient import TestClient
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine, FakeServing
-from tests.helpers import wait_for
+from tests.helpers import app_on, wait_for
 
 
 def test_a_stop_that_comes_with_a_wake_ends_the_engine_loop(settings):
@@ -56,7 +56,7 @@ def test_an_engine_that_never_shuts_down_holds_the_exit_only_for_the_drain_deadl
     exited = threading.Event()
 
     def serve() -> None:
-        with TestClient(create_app(settings, EngineService(EngineThatNeverShutsDown()))) as client:
+        with app_on(settings, EngineThatNeverShutsDown()) as client:
             wait_for(lambda: client.get("/health").status_code == 200)
         exited.set()  # the app's event loop closed: nothing of it waits on the engine thread
 

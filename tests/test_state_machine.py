@@ -12,7 +12,7 @@ from app.domain.lifecycle import TERMINAL, TRANSITIONS, BatchStatus, InvalidTran
 from app.domain.models import FileRow
 from app.domain.schemas import CreateBatchRequest
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 @pytest.fixture

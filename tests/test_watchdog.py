@@ -15,14 +15,16 @@ from fastapi.testclient import TestClient
 
 from app.core import failpoints
 from app.core.failpoints import Failpoints
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import FakeEngine
 from tests.helpers import (
+    FINAL,
+    app_on,
     create_batch,
+    held_batch,
     jsonl,
     read_jsonl,
     request_line,
+    stopped_mid_batch,
     storage_of,
     stored_names,
     upload,
@@ -30,9 +32,8 @@ from tests.helpers import (
     wait_status,
 )
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
-FINAL = {"completed", "failed", "cancelled", "expired"}
 GRACE = 1.0
 
 
@@ -40,7 +41,7 @@ def test_a_batch_whose_engine_is_gone_for_good_still_ends_when_its_window_does(s
     settings.watchdog_grace_seconds = GRACE
     engine = FakeEngine()
     engine.fail_restarts = True
-    with TestClient(create_app(settings, EngineService(engine))) as client:
+    with app_on(settings, engine) as client:
         lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
         batch = create_batch(client, upload(client, jsonl(lines))["id"], completion_window="2s")
         wait_for(lambda: client.get("/health").json()["status"] == "down")
@@ -49,7 +50,7 @@ def test_a_batch_whose_engine_is_gone_for_good_still_ends_when_its_window_does(s
         assert time.time() <= batch["expires_at"] + GRACE + 5
     assert ended["status"] == "expired" and ended["expired_at"] is not None
     assert ended["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         outputs = read_jsonl(client, ended["output_file_id"])
         [error] = read_jsonl(client, ended["error_file_id"])
     assert sorted(o["custom_id"] for o in outputs) == [f"r{i}" for i in range(4)]
@@ -58,15 +59,10 @@ def test_a_batch_whose_engine_is_gone_for_good_still_ends_when_its_window_does(s
 
 def test_a_batch_whose_run_keeps_failing_is_ended_with_what_its_checkpoint_holds(settings):
     settings.watchdog_grace_seconds = GRACE
-    held = FakeEngine()
-    held.executor.answer_first = 2
-    with TestClient(create_app(settings, EngineService(held))) as client:
-        source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)]))
-        batch = create_batch(client, source["id"], completion_window="2s")
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
+    batch = stopped_mid_batch(settings, lines=6, answered=2, completion_window="2s").batch
     # Its index torn (a bad disk, an operator's mistake): every run of it from now on raises.
     asyncio.run(storage_of(settings).save_bytes(f"{batch['id']}.index", b"\x00garbage"))
-    with TestClient(create_app(settings, EngineService(FakeEngine()))) as client:
+    with app_on(settings) as client:
         ended = wait_status(client, batch["id"], FINAL, timeout=2 + GRACE + 10)
         assert ended["status"] == "expired"
         assert ended["request_counts"] == {"total": 6, "completed": 2, "failed": 0}
@@ -107,12 +103,8 @@ def test_a_batch_whose_ending_raises_is_ended_failed_with_its_checkpoint(setting
     # Every ending that writes the error lines of requests that never ran raises, as one with a custom_id its writer
     # could not encode did: the run's own at expiry, then the watchdog's.
     monkeypatch.setattr(failpoints, "ARMED", Failpoints(failpoints.UNFINISHED_LINES_RAISE))
-    engine = FakeEngine()
-    engine.executor.answer_first = 2
-    with endings_logged(caplog), TestClient(create_app(settings, EngineService(engine))) as client:
-        source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)]))
-        batch = create_batch(client, source["id"], completion_window="2s")
-        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 2)
+    with endings_logged(caplog), held_batch(settings, lines=6, answered=2, completion_window="2s") as held:
+        client, source, batch = held.client, held.source, held.batch
         assert active_limit_reached(client, source["id"])
         ended = wait_status(client, batch["id"], FINAL, timeout=2 + GRACE + 10)
         assert time.time() <= batch["expires_at"] + GRACE + 5
@@ -130,7 +122,7 @@ def test_a_batch_whose_results_cannot_be_read_back_is_ended_failed_without_them(
     settings.max_active_batches_per_key = 1
     engine = FakeEngine()
     engine.fail_restarts = True
-    with endings_logged(caplog), TestClient(create_app(settings, EngineService(engine))) as client:
+    with endings_logged(caplog), app_on(settings, engine) as client:
         lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
         source = upload(client, jsonl(lines))
         batch = create_batch(client, source["id"], completion_window="2s")

@@ -17,16 +17,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
-from fastapi.testclient import TestClient
 from starlette.applications import Starlette
 from starlette.routing import Route
 
 from app.core.webhooks import Endpoint, Refused, check_destination, send
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import free_port
-from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
-from tests.test_webhooks import FINAL, SECRET, Receiver, outbox, with_webhook
+from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
+from tests.test_webhooks import SECRET, Receiver, outbox, with_webhook
 
 # Hosts that are not global unicast, in the spellings that passed the check before (the first four) and others.
 REFUSED = [
@@ -133,9 +130,7 @@ def test_a_name_that_rebinds_to_loopback_after_the_check_is_sent_to_the_checked_
     # A rebinding DNS server: public for the first lookup, loopback (where a receiver listens) from then on.
     lookups = _answers(monkeypatch, "hook.test", lambda count: [PUBLIC] if count == 0 else ["127.0.0.1"])
     hook = f"http://hook.test:{port}/hook"
-    with TestClient(
-        create_app(with_webhook(settings, hook, allow_private=False), EngineService(fake_engine))
-    ) as client:
+    with app_on(with_webhook(settings, hook, allow_private=False), fake_engine) as client:
         batch = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
         wait_status(client, batch["id"], FINAL)
         wait_for(lambda: [row["delivered_at"] for row in outbox(settings)] != [None])

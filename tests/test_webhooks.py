@@ -13,23 +13,19 @@ from pathlib import Path
 
 import openai
 import pytest
-from fastapi.testclient import TestClient
 from sqlalchemy import create_engine, text
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from app.engine.service import EngineService
-from app.main import create_app
 from app.testing import VbatchServer, free_port
-from tests.helpers import create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
+from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
 from tests.test_metrics import scrape
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 SECRET = "whsec_" + base64.b64encode(os.urandom(32)).decode()
-FINAL = {"completed", "failed", "cancelled", "expired"}
 
 
 @dataclass
@@ -80,7 +76,7 @@ def outbox(settings) -> list:
 
 
 def test_every_final_state_sends_its_event_and_the_sdk_verifies_it(settings, fake_engine, receiver):
-    with TestClient(create_app(with_webhook(settings, receiver.url), EngineService(fake_engine))) as client:
+    with app_on(with_webhook(settings, receiver.url), fake_engine) as client:
         completed = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
         wait_status(client, completed["id"], FINAL)
         failed = create_batch(client, upload(client, jsonl([request_line("b", model="no-such-model")]))["id"])
@@ -109,7 +105,7 @@ def test_every_final_state_sends_its_event_and_the_sdk_verifies_it(settings, fak
 
 def test_a_receiver_that_fails_gets_the_event_again_until_it_takes_it_then_never_again(settings, fake_engine, receiver):
     receiver.statuses = [500, 500, 500]
-    with TestClient(create_app(with_webhook(settings, receiver.url), EngineService(fake_engine))) as client:
+    with app_on(with_webhook(settings, receiver.url), fake_engine) as client:
         batch = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
         wait_status(client, batch["id"], FINAL)
         wait_for(lambda: [row["delivered_at"] for row in outbox(settings)] != [None])
@@ -124,9 +120,7 @@ def test_a_receiver_that_fails_gets_the_event_again_until_it_takes_it_then_never
 
 
 def test_a_receiver_on_a_private_address_is_refused_unless_the_operator_allows_it(settings, fake_engine, receiver):
-    with TestClient(
-        create_app(with_webhook(settings, receiver.url, allow_private=False), EngineService(fake_engine))
-    ) as client:
+    with app_on(with_webhook(settings, receiver.url, allow_private=False), fake_engine) as client:
         batch = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
         wait_status(client, batch["id"], FINAL)
         wait_for(lambda: [row["given_up_at"] for row in outbox(settings)] != [None])
@@ -180,7 +174,7 @@ def test_a_key_with_its_own_endpoint_gets_its_events_there_and_other_keys_events
     settings.webhook_allow_private = True
     settings.webhook_retry_base_seconds = settings.webhook_poll_seconds = 0.05
     ended = {}
-    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+    with app_on(settings, fake_engine) as client:
         for key in ("sk-alice", "sk-bob"):
             client.headers["authorization"] = f"Bearer {key}"
             batch = create_batch(client, upload(client, jsonl([request_line(key)]))["id"])

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from app.core.db import make_engine, work_announcements
 from tests.helpers import create_batch, jsonl, request_line, upload
 
-BACKENDS = ("sqlite", "postgres_s3")
+pytestmark = pytest.mark.both_backends
 
 
 def test_a_created_and_a_cancelled_batch_are_announced_when_they_commit(client, fake_engine, settings, backend):
