@@ -38,7 +38,8 @@ def test_counters_agree_with_the_batch_and_the_state_is_read_at_scrape_time(clie
     done = wait_status(client, running["id"], FINAL)
     invalid = create_batch(client, upload(client, jsonl([request_line("x", model="no-such-model")]))["id"])
     wait_status(client, invalid["id"], FINAL)
-    after = scrape(client)
+    # The publish histogram is observed once the run's files are gone, a moment after the batch reads completed.
+    after = wait_for(lambda: (now := scrape(client))[("vbatch_publish_seconds_count", ())] == 1 and now)
     usage = done["usage"]
     assert after[("vbatch_requests_total", (("outcome", "completed"),))] == done["request_counts"]["completed"] == 4
     assert after[("vbatch_requests_total", (("outcome", "failed"),))] == done["request_counts"]["failed"] == 1
