@@ -10,7 +10,6 @@ from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain.leases import Lease
 from app.domain.schemas import RunStats
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
@@ -46,5 +45,3 @@ class Context:
     changes: Changes = field(default_factory=Changes)
     # The batches running now, by id; the API reads their live numbers.
     runs: dict[str, RunningBatch] = field(default_factory=dict)
-    # The leases this service holds, by batch id: every write a batch's run makes carries its lease.
-    leases: dict[str, Lease] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from app.engine.context import Context
 from app.engine.ending import end_overdue
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
+from app.engine.run import Run
 from app.engine.runner import run_batch
 from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave
 
@@ -239,7 +240,6 @@ class EngineService:
             ranks=max(1, serving.data_parallel_size),
             slots=asyncio.Semaphore(max_in_flight),
             metrics=self.metrics,
-            leases=self.leases,
             shard_lines=0 if self.hold_at_most is None else settings.shard_lines,
         )
         self._ctx = ctx
@@ -303,12 +303,13 @@ class EngineService:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
             self._broken.discard(row.id)
-            await self._end_overdue(db, storage, settings, row.id)
+            await self._end_overdue(db, storage, settings, row)
         return [row for row in rows if row not in overdue]
 
-    async def _end_overdue(self, db: Engine, storage: Storage, settings: Settings, batch_id: str) -> None:
+    async def _end_overdue(self, db: Engine, storage: Storage, settings: Settings, row: BatchRow) -> None:
         """Whatever its lines hold, the batch ends (`end_overdue`); only a database that takes no write leaves it
         active, to be tried again at every look, logged the first time only."""
+        batch_id = row.id
         quiet = batch_id in self._unended
         if not quiet:
             log.error(
@@ -316,10 +317,8 @@ class EngineService:
                 batch_id,
                 settings.watchdog_grace_seconds,
             )
-        lease = self.leases.get(batch_id)
-        ended = await end_overdue(
-            db=db, storage=storage, settings=settings, batch_id=batch_id, lease=lease, quiet=quiet
-        )
+        run = Run(row=row, lease=self.leases.get(row.id), db=db, storage=storage, settings=settings)
+        ended = await end_overdue(run, quiet=quiet)
         if ended:
             self._unended.discard(batch_id)
         elif not quiet:
@@ -411,7 +410,7 @@ class EngineService:
 
     async def _run_one(self, ctx: Context, batch_id: str) -> None:
         try:
-            await run_batch(ctx, batch_id)
+            await run_batch(ctx, batch_id, self.leases.get(batch_id))
         except asyncio.CancelledError:
             raise
         except LeaseLost:
