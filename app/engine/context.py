@@ -4,23 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain.schemas import RunStats
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
-
-
-class RunningBatch(Protocol):
-    """What the registry of running batches is read for: a run's live numbers. The run (`app.engine.runner`) is
-    built on this context, so the context names only what it needs of one."""
-
-    def stats(self) -> RunStats | None: ...
+from app.engine.runs import Runs
 
 
 @dataclass
@@ -43,5 +35,5 @@ class Context:
     feed: FairFeed = field(default_factory=FairFeed)
     # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
     changes: Changes = field(default_factory=Changes)
-    # The batches running now, by id; the API reads their live numbers.
-    runs: dict[str, RunningBatch] = field(default_factory=dict)
+    # The batches this service holds (`app.engine.runs`): a run shows its live numbers there.
+    runs: Runs = field(default_factory=Runs)

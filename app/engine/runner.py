@@ -94,11 +94,11 @@ class BatchRun:
         return self.meter.stats(self.sink.progress)
 
     async def to_end(self) -> None:
-        self.ctx.runs[self.row.id] = self
+        self.ctx.runs.show(self.row.id, self)
         try:
             await self._run()
         finally:
-            self.ctx.runs.pop(self.row.id, None)
+            self.ctx.runs.hide(self.row.id, self)
             await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
     async def _run(self) -> None:
