@@ -146,7 +146,7 @@ async def end_with_results(
 
     async def commit(status: BatchStatus) -> BatchRow:
         return await asyncio.to_thread(
-            batches.publish,
+            batches.end_with_files,
             db=run.db,
             batch_id=run.id,
             to=status,
@@ -201,7 +201,7 @@ async def _result_file(run: Run, appender: ResultAppender, kind: str) -> FileRow
         return None
     row, storage = run.row, run.storage
     file_id = new_id("file-")
-    await storage.publish(appender.path, file_id)
+    await storage.store_part(appender.path, file_id)
     created = clock.now()
     ttl = row.output_expires_after_seconds or run.settings.output_file_ttl_seconds
     return FileRow(
@@ -295,7 +295,7 @@ async def end_without_results(run: Run) -> None:
 
     async def commit(status: BatchStatus) -> BatchRow:
         return await asyncio.to_thread(
-            batches.publish,
+            batches.end_with_files,
             db=run.db,
             batch_id=run.id,
             to=status,
