@@ -20,7 +20,7 @@ class Context:
     db: Engine
     storage: Storage
     settings: Settings
-    engine: LiveEngine
+    live: LiveEngine  # the serving engine as runs see it: one executor that survives its deaths
     served_models: list[str]
     max_in_flight: int
     # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.

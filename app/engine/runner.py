@@ -86,7 +86,7 @@ class BatchRun:
         self.sink = run.new_sink(observe=ctx.metrics.result)
         self.input_path = ctx.storage.path(run.input_name)  # or its local copy, once the run begins
         self.deaths_alone: dict[int, int] = {}
-        self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
+        self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.live.generated_tokens)
         self.last_log = time.monotonic()
 
     def stats(self) -> RunStats | None:
@@ -203,7 +203,7 @@ class BatchRun:
         while True:
             if suspects:
                 await self._settle(suspects)
-            generation = self.ctx.engine.generation
+            generation = self.ctx.live.generation
             in_flight: set[int] = set()
             try:
                 await self._feed(groups, in_flight, turn)
@@ -212,7 +212,7 @@ class BatchRun:
                 turn = None  # passed on: the re-run waits for a turn of its own
                 suspects = sorted(in_flight - self.sink.done)
                 log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
-                await self.ctx.engine.recover(generation)
+                await self.ctx.live.recover(generation)
 
     async def _feed(self, groups: list[Group], in_flight: set[int], turn: Turn | None) -> None:
         ctx = self.ctx
@@ -227,7 +227,7 @@ class BatchRun:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
                 failpoints.ARMED.held(lines, ctx.settings.data_dir),
-                executor=ctx.engine,
+                executor=ctx.live,
                 endpoint=self.row.endpoint,
                 slots=ctx.slots,
                 workers=ctx.max_in_flight,
@@ -247,9 +247,9 @@ class BatchRun:
             group = [n for n in queue.popleft() if n not in self.sink.done]
             if not group:
                 continue
-            generation = self.ctx.engine.generation
+            generation = self.ctx.live.generation
             try:
-                async with self.ctx.engine.isolated() as executor:
+                async with self.ctx.live.isolated() as executor:
                     await run_lines(
                         self._lines(group),
                         executor=executor,
@@ -259,7 +259,7 @@ class BatchRun:
                         on_outcome=self._record,
                     )
             except EngineDead:
-                await self.ctx.engine.recover(generation)
+                await self.ctx.live.recover(generation)
                 unfinished = [n for n in group if n not in self.sink.done]
                 if len(unfinished) == 1:
                     await self._blame(unfinished[0], queue)

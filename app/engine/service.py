@@ -183,7 +183,7 @@ class EngineService:
             db=db,
             storage=storage,
             settings=settings,
-            engine=self.live,
+            live=self.live,
             served_models=self.served_models,
             max_in_flight=max_in_flight,
             wave=wave,
