@@ -1,4 +1,5 @@
-"""What every batch's run shares: the database, the storage, the engine, and the scheduling state."""
+"""What every batch's run shares: the database, the storage, the live engine, the scheduling state, and the
+registry of the batches this service holds (`runs.py`). What is one batch's alone is its `Run` (`run.py`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""One batch's life in the engine loop: its input taken in (`intake.py`), then run, finalized, or stopped for
-cancel, expiry or a full disk.
+"""One batch's life in the engine loop, top to bottom: resolved once into a `Run` (`run.py`), its input taken in
+(`intake.py`), then run (or, cut into shards, waited for: `shards.py`) and ended (`ending.py`, which decides every
+ending: completed, cancelled, expired, or failed with a full disk).
 
 Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
 when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
