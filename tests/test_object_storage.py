@@ -83,7 +83,7 @@ def test_checkpoints_ship_segments_that_a_takeover_and_partial_output_read_up_to
 def test_publish_copy_and_local_copies(storage):
     part = storage.path("batch_b.1.output.part")
     part.write_bytes(b"line\n" * 1000)
-    asyncio.run(storage.publish(part, "file-out"))
+    asyncio.run(storage.store_part(part, "file-out"))
     asyncio.run(storage.copy("file-out", "batch_b.input"))
     local = asyncio.run(storage.local_path("batch_b.input"))
     assert local.read_bytes() == b"line\n" * 1000

@@ -7,21 +7,21 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from app.domain.errors import InvalidRequest
-from app.domain.lifecycle import TERMINAL
+from app.domain.lifecycle import TERMINAL, BatchStatus
 from app.domain.models import FileRow
 from app.domain.schemas import Batch, RunStats
 
-# A batch's lifecycle timestamps, in the order a batch meets them.
-LIFECYCLE = (
-    ("created", "created_at"),
-    ("in progress", "in_progress_at"),
-    ("finalizing", "finalizing_at"),
-    ("cancelling", "cancelling_at"),
-    ("completed", "completed_at"),
-    ("failed", "failed_at"),
-    ("expired", "expired_at"),
-    ("cancelled", "cancelled_at"),
+# A batch's lifecycle timestamps, in the order a batch meets them: its creation, then the statuses it is stamped at.
+STAMPED = (
+    BatchStatus.IN_PROGRESS,
+    BatchStatus.FINALIZING,
+    BatchStatus.CANCELLING,
+    BatchStatus.COMPLETED,
+    BatchStatus.FAILED,
+    BatchStatus.EXPIRED,
+    BatchStatus.CANCELLED,
 )
+LIFECYCLE = (("created", "created_at"), *((status.replace("_", " "), f"{status}_at") for status in STAMPED))
 ENDINGS = tuple(f"{status}_at" for status in TERMINAL)
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 
@@ -47,13 +47,20 @@ def batch_row(batch: Batch, stats: RunStats | None) -> BatchRowView:
         batch=batch,
         done=done,
         total=counts.total,
-        percent=round(100 * done / counts.total) if counts.total else (100 if batch.status == "completed" else 0),
+        percent=round(100 * done / counts.total)
+        if counts.total
+        else (100 if batch.status == BatchStatus.COMPLETED else 0),
         requests_per_second=stats.requests_per_second if stats else None,
         output_tokens_per_second=stats.output_tokens_per_second if stats else None,
         eta_seconds=stats.eta_seconds if stats else None,
         ended_at=max(ended) if ended else None,
         final=batch.status in TERMINAL,
     )
+
+
+def _empty_percent(batch: Batch) -> int:
+    """A batch of no lines is all done once it has completed."""
+    return 100 if batch.status == BatchStatus.COMPLETED else 0
 
 
 def lifecycle(batch: Batch) -> list[tuple[str, int]]:

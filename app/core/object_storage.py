@@ -102,7 +102,7 @@ class ObjectStorage(Storage):
     async def copy(self, existing: str, new: str) -> None:
         await obstore.copy_async(self.store, existing, new)
 
-    async def publish(self, part: Path, name: str) -> None:
+    async def store_part(self, part: Path, name: str) -> None:
         await obstore.put_async(self.store, name, part, chunk_size=UPLOAD_PART_BYTES)
 
     async def local_path(self, name: str) -> Path:

@@ -124,7 +124,7 @@ class Storage:
         happens to the input's file object. Here a hard link: stored bytes never change."""
         await self._link(self.path(existing), new)
 
-    async def publish(self, part: Path, name: str) -> None:
+    async def store_part(self, part: Path, name: str) -> None:
         """A finished part file (in `root`) stored as `name`: the part stays until the database commits the file."""
         await self._link(part, name)
 

@@ -309,7 +309,7 @@ def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError], lease: Leas
     return _move(db=db, batch_id=batch_id, to=BatchStatus.FAILED, lease=lease, errors_json=errors_json)
 
 
-def publish(
+def end_with_files(
     *,
     db: Engine,
     batch_id: str,

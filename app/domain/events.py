@@ -1,6 +1,6 @@
 """Webhook events as OpenAI sends them: one for every batch that reaches a final state.
 
-The event row is written in the transaction that ends the batch (`batches.publish` and the other final moves), so
+The event row is written in the transaction that ends the batch (`batches.end_with_files` and the other final moves), so
 a batch never ends without its event nor an event exist for a batch that has not ended; `app.outbox` sends it.
 """
 

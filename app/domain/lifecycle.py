@@ -39,6 +39,6 @@ class InvalidTransition(Exception):
     pass
 
 
-def check_move(current: str, to: BatchStatus) -> None:
-    if to not in TRANSITIONS[BatchStatus(current)]:
+def check_move(current: BatchStatus, to: BatchStatus) -> None:
+    if to not in TRANSITIONS[current]:
         raise InvalidTransition(f"{current} -> {to}")

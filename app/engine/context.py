@@ -1,27 +1,19 @@
-"""What every batch's run shares: the database, the storage, the engine, and the scheduling state."""
+"""What every batch's run shares: the database, the storage, the live engine, the scheduling state, and the
+registry of the batches this service holds (`runs.py`). What is one batch's alone is its `Run` (`run.py`)."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain.leases import Lease
-from app.domain.schemas import RunStats
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
-
-
-class RunningBatch(Protocol):
-    """What the registry of running batches is read for: a run's live numbers. The run (`app.engine.runner`) is
-    built on this context, so the context names only what it needs of one."""
-
-    def stats(self) -> RunStats | None: ...
+from app.engine.runs import Runs
 
 
 @dataclass
@@ -29,7 +21,7 @@ class Context:
     db: Engine
     storage: Storage
     settings: Settings
-    engine: LiveEngine
+    live: LiveEngine  # the serving engine as runs see it: one executor that survives its deaths
     served_models: list[str]
     max_in_flight: int
     # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
@@ -44,7 +36,5 @@ class Context:
     feed: FairFeed = field(default_factory=FairFeed)
     # Told when a batch is created or cancelled: what batches waiting for their turn wake on.
     changes: Changes = field(default_factory=Changes)
-    # The batches running now, by id; the API reads their live numbers.
-    runs: dict[str, RunningBatch] = field(default_factory=dict)
-    # The leases this service holds, by batch id: every write a batch's run makes carries its lease.
-    leases: dict[str, Lease] = field(default_factory=dict)
+    # The batches this service holds (`app.engine.runs`): a run shows its live numbers there.
+    runs: Runs = field(default_factory=Runs)

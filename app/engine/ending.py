@@ -1,23 +1,26 @@
-"""How a batch ends: its result parts become File objects in the transaction that makes it final.
+"""Every way a batch ends, decided here and nowhere else: completed, failed, cancelled, expired, out of disk, from
+its last checkpoint, a parent of shards, without its input, cancelled before it ran, and the watchdog's.
 
-A run ends its batch itself (`publish`). When it cannot, because the disk filled up under it, or it raised
-something unexpected, or it outlived its completion window, `end_from_checkpoint` ends the batch with what its
-last checkpoint holds: those lines are in its output and error files, nothing is lost that was counted, and the
-batch stops holding a slot of its key's active-batch limit. `end_overdue`, the watchdog's, ends it even when
-that raises: whatever its lines hold, a batch ends.
+One rule chooses between them, `cancel_wins`: a batch being cancelled ends cancelled, whatever else would have
+ended it. Every ending applies it to the batch as its run last saw it and, when the move is refused because a
+cancel came in between, to the batch as it is now (`_settle`).
+
+A run ends its batch itself (`end_with_results`): its result parts become File objects in the transaction that
+makes it final. When it cannot, because the disk filled up under it, or it raised something unexpected, or it
+outlived its completion window, `end_from_checkpoint` ends the batch with what its last checkpoint holds: those
+lines are in its output and error files, nothing is lost that was counted, and the batch stops holding a slot of
+its key's active-batch limit. `end_overdue`, the watchdog's, ends it even when that raises: whatever its lines hold,
+a batch ends. A batch that ends before it runs a line (its input unreadable, invalid or gone, or cancelled first)
+ends by `end_unrun`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from functools import partial
-from pathlib import Path
-from typing import Any
-
-from sqlalchemy.engine import Engine
+from typing import Any, TypeVar
 
 from app.core import clock, failpoints
 from app.core.config import Settings
@@ -27,14 +30,16 @@ from app.core.storage import ResultAppender, Storage
 from app.domain import batches, files
 from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
-from app.domain.leases import Lease
-from app.domain.lifecycle import TERMINAL, BatchStatus
+from app.domain.lifecycle import TERMINAL, BatchStatus, InvalidTransition
 from app.domain.models import BatchRow, FileRow
-from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome, index_name, part_names, run_files
+from app.domain.results import CANCELLED_MESSAGE, EXPIRED_MESSAGE, error_outcome
 from app.domain.schemas import BatchError
 from app.engine.parts import ResultSink
+from app.engine.run import Run
 
 log = logging.getLogger("vbatch.runner")
+
+T = TypeVar("T")
 
 DISK_FULL = BatchError(
     code="insufficient_storage",
@@ -52,50 +57,127 @@ NO_RESULTS_WRITTEN = BatchError(
     "requests again.",
 )
 
+# Makes the ending `cancel_wins` chose (a database move, on a thread); returns the batch as it left it, if it moved it.
+End = Callable[[BatchStatus], Awaitable[BatchRow | None]]
 
-async def publish(
-    *,
-    db: Engine,
-    storage: Storage,
-    settings: Settings,
-    row: BatchRow,
+
+def cancel_wins(stored: BatchStatus, wanted: BatchStatus) -> BatchStatus:
+    """How a batch stored as `stored` ends when its run would end it `wanted`: a cancel wins over whatever else would
+    end it (its last line done, its window passed, its input invalid or gone, a full disk); a batch already
+    finalizing had every line's result, and ends completed unless it fails."""
+    if stored == BatchStatus.CANCELLING:
+        return BatchStatus.CANCELLED
+    if stored == BatchStatus.FINALIZING and wanted != BatchStatus.FAILED:
+        return BatchStatus.COMPLETED
+    return wanted
+
+
+async def _settle(run: Run, wanted: BatchStatus, end: End) -> BatchStatus:
+    """The ending `cancel_wins` gives for the batch as the run last saw it, made by `end`; when `end` is refused
+    (`InvalidTransition`: a cancel came in between), the one it gives for the batch as it is now."""
+    status = cancel_wins(run.row.status, wanted)
+    try:
+        moved = await end(status)
+    except InvalidTransition:
+        run.row = await run.stored()
+        again = cancel_wins(run.row.status, wanted)
+        if again == status or run.row.status in TERMINAL:
+            raise
+        status, moved = again, await end(again)
+    if moved is not None:
+        run.row = moved
+    return status
+
+
+def overdue(rows: Sequence[BatchRow], settings: Settings) -> list[BatchRow]:
+    """The batches still active `watchdog_grace_seconds` after their completion window: a run ends its own batch at
+    expiry, so one still going then is stuck. A parent of shards waits on them, and each shard is watched itself."""
+    deadline = clock.now() - settings.watchdog_grace_seconds
+    return [row for row in rows if row.expires_at is not None and row.expires_at < deadline and not row.shards]
+
+
+def shards_ending(shards: Sequence[BatchRow]) -> BatchStatus:
+    """How a parent of shards would end, from how they ended (its own cancel wins over it, as for any batch)."""
+    ended = {shard.status for shard in shards}
+    for status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED, BatchStatus.FAILED):
+        if status in ended:
+            return status
+    return BatchStatus.COMPLETED
+
+
+def input_gone(run: Run) -> BatchError:
+    return BatchError(code="file_not_found", message=f"The input file {run.row.input_file_id} cannot be read.")
+
+
+async def end_unrun(run: Run, errors: Sequence[BatchError] = ()) -> None:
+    """A batch that ends without running a line more: failed with `errors` (its input unreadable, invalid or gone)
+    or, being cancelled, cancelled, its run files gone first (nothing of its own is needed any more)."""
+
+    async def end(status: BatchStatus) -> BatchRow:
+        if status == BatchStatus.CANCELLED:
+            await _delete_all(run.storage, run.run_files)
+            return await asyncio.to_thread(
+                batches.transition, db=run.db, batch_id=run.id, to=BatchStatus.CANCELLED, lease=run.lease
+            )
+        return await asyncio.to_thread(batches.fail, db=run.db, batch_id=run.id, errors=errors, lease=run.lease)
+
+    status = await _settle(run, BatchStatus.FAILED, end)
+    log.info("batch %s: %s before it ran", run.id, status, extra={"batch_id": run.id, "event": f"batch.{status}"})
+
+
+async def end_with_results(
+    run: Run,
     sink: ResultSink,
-    status: BatchStatus,
+    wanted: BatchStatus,
+    *,
     timeline: dict[str, float],
     series: Sequence[Sequence[float]] = (),
     errors: Sequence[BatchError] = (),
-    lease: Lease | None = None,
 ) -> None:
-    """Close the sink, give each non-empty part a File row, end the batch with them (under `lease`, if it still
-    holds), then drop its run files."""
+    """Close the sink, give each non-empty part a File row, end the batch with them (under its lease, if it still
+    holds), then drop its run files. A batch that ends completed is finalizing first: a cancel from then on is
+    refused, and one that came before wins."""
+    wanted = await _settle(run, wanted, partial(_finalizing, run))
     await sink.close()
     failpoints.ARMED.raise_here(failpoints.PUBLISH_RAISES)
-    output = await _result_file(storage, settings, row, sink.output, "output")
-    error = await _result_file(storage, settings, row, sink.errors, "error")
+    output = await _result_file(run, sink.output, "output")
+    error = await _result_file(run, sink.errors, "error")
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
-    commit = partial(
-        batches.publish,
-        db=db,
-        batch_id=row.id,
-        to=status,
-        output=output,
-        error=error,
-        progress=sink.progress,
-        timeline=timeline,
-        series=series,
-        errors=errors,
-        lease=lease,
-    )
-    await _unstoppable(_commit_then_delete(commit, storage, run_files(row.id, row.lease_token)))
+
+    async def commit(status: BatchStatus) -> BatchRow:
+        return await asyncio.to_thread(
+            batches.end_with_files,
+            db=run.db,
+            batch_id=run.id,
+            to=status,
+            output=output,
+            error=error,
+            progress=sink.progress,
+            timeline=timeline,
+            series=series,
+            errors=errors,
+            lease=run.lease,
+        )
+
+    status = await _unstoppable(_commit_then_delete(run, wanted, commit))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
-    fields = {"batch_id": row.id, "event": f"batch.{status}", **done}
-    log.info("batch %s: %s, %d completed, %d failed", row.id, status, done["completed"], done["failed"], extra=fields)
+    fields = {"batch_id": run.id, "event": f"batch.{status}", **done}
+    log.info("batch %s: %s, %d completed, %d failed", run.id, status, done["completed"], done["failed"], extra=fields)
 
 
-async def _commit_then_delete(commit: Callable[[], object], storage: Storage, names: Sequence[str]) -> None:
+async def _finalizing(run: Run, status: BatchStatus) -> BatchRow | None:
+    if status != BatchStatus.COMPLETED or run.row.status == BatchStatus.FINALIZING:
+        return None
+    return await asyncio.to_thread(
+        batches.transition, db=run.db, batch_id=run.id, to=BatchStatus.FINALIZING, lease=run.lease
+    )
+
+
+async def _commit_then_delete(run: Run, wanted: BatchStatus, commit: End) -> BatchStatus:
     """A stop that comes while the batch ends waits for the commit, and for the deletes after it."""
-    await asyncio.to_thread(commit)
-    await _delete_all(storage, names)
+    status = await _settle(run, wanted, commit)
+    await _delete_all(run.storage, run.run_files)
+    return status
 
 
 async def _delete_all(storage: Storage, names: Sequence[str]) -> None:
@@ -103,26 +185,25 @@ async def _delete_all(storage: Storage, names: Sequence[str]) -> None:
         await storage.delete(name)
 
 
-async def _unstoppable(work: Coroutine[Any, Any, None]) -> None:
+async def _unstoppable(work: Coroutine[Any, Any, T]) -> T:
     """Run `work` to its end even if the run is cancelled meanwhile (a stop): after the batch has ended, its run
     files are a few deletes (requests, on an object store) from gone; left, they would wait for the next start."""
     task = asyncio.ensure_future(work)
     try:
-        await asyncio.shield(task)
+        return await asyncio.shield(task)
     except asyncio.CancelledError:
         await task
         raise
 
 
-async def _result_file(
-    storage: Storage, settings: Settings, row: BatchRow, appender: ResultAppender, kind: str
-) -> FileRow | None:
+async def _result_file(run: Run, appender: ResultAppender, kind: str) -> FileRow | None:
     if appender.lines == 0:
         return None
+    row, storage = run.row, run.storage
     file_id = new_id("file-")
-    await storage.publish(appender.path, file_id)
+    await storage.store_part(appender.path, file_id)
     created = clock.now()
-    ttl = row.output_expires_after_seconds or settings.output_file_ttl_seconds
+    ttl = row.output_expires_after_seconds or run.settings.output_file_ttl_seconds
     return FileRow(
         id=file_id,
         created_ns=clock.now_ns(),
@@ -136,116 +217,102 @@ async def _result_file(
     )
 
 
+async def end_out_of_disk(run: Run) -> None:
+    """The disk filled up under the run: the batch fails at once with what its last checkpoint holds (the reserve
+    released, the room left is the database's)."""
+    run.storage.reserve.release()
+    log.error("batch %s: the disk is full; the batch fails with the results it has", run.id)
+    await end_from_checkpoint(run, BatchStatus.FAILED, [DISK_FULL])
+
+
 async def end_from_checkpoint(
-    *,
-    db: Engine,
-    storage: Storage,
-    settings: Settings,
-    batch_id: str,
-    status: BatchStatus,
-    errors: Sequence[BatchError],
-    lease: Lease | None = None,
-    fill_unfinished: bool = True,
+    run: Run, wanted: BatchStatus, errors: Sequence[BatchError], *, fill_unfinished: bool = True
 ) -> None:
-    """End the batch as `status` (cancelled if it was being cancelled) with the results its checkpoint counts.
-    Unless the disk is full (or not `fill_unfinished`), the lines that never ran get their error line, as at any
-    cancel or expiry. Under `lease`, the part files are that lease's, begun from the checkpoint's."""
-    row = await asyncio.to_thread(batches.get, db=db, batch_id=batch_id, owner=None)
-    if row.status in TERMINAL:
+    """End the batch as `wanted` (as `cancel_wins` says) with the results its checkpoint counts. Unless the disk is
+    full (or not `fill_unfinished`), the lines that never ran get their error line, as at any cancel or expiry. The
+    part files are the run's own, begun from the checkpoint's."""
+    stored = await run.stored()
+    if stored.status in TERMINAL:
         return
-    if row.status == BatchStatus.CANCELLING:
-        status = BatchStatus.CANCELLED
-    elif row.status == BatchStatus.FINALIZING and status != BatchStatus.FAILED:
-        status = BatchStatus.COMPLETED  # every line had its result already
-    index = await _index(storage, batch_id)
-    sink = await _sink_at_checkpoint(storage, row, index, lease)
+    run.row = stored
+    status = cancel_wins(stored.status, wanted)
+    if run.index is None:
+        run.index = await _index_or_none(run)
+    sink = await run.sink_at_checkpoint(stored)
     try:
-        if fill_unfinished and index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
-            sink = await _with_unfinished(storage, row, index, lease, sink, status)
-        await publish(
-            db=db,
-            storage=storage,
-            settings=settings,
-            row=row,
-            sink=sink,
-            status=status,
-            timeline={},
-            errors=errors,
-            lease=lease,
-        )
+        if fill_unfinished and run.index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
+            sink = await _with_unfinished(run, run.index, sink, status)
+        await end_with_results(run, sink, status, timeline={}, errors=errors)
     except BaseException:
         await sink.abandon()  # its files closed now: the next try opens them again, cut back to the checkpoint
         raise
-    log.error("batch %s: ended from its last checkpoint as %s", batch_id, status)
+    log.error("batch %s: ended from its last checkpoint as %s", run.id, status)
 
 
-async def _with_unfinished(
-    storage: Storage, row: BatchRow, index: InputIndex, lease: Lease | None, sink: ResultSink, status: BatchStatus
-) -> ResultSink:
+async def _with_unfinished(run: Run, index: InputIndex, sink: ResultSink, status: BatchStatus) -> ResultSink:
     """`sink` with the error lines of the requests that never ran written; with the disk full, a sink back at the
     checkpoint instead."""
     record_unfinished(sink, index, status)
     try:
-        storage.check_room()
+        run.storage.check_room()
         await sink.checkpoint()
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        storage.reserve.release()
+        run.storage.reserve.release()
         await sink.abandon()
-        return await _sink_at_checkpoint(storage, row, index, lease)
+        return await run.sink_at_checkpoint(run.row)
     return sink
 
 
-async def end_overdue(
-    *, db: Engine, storage: Storage, settings: Settings, batch_id: str, lease: Lease | None, quiet: bool
-) -> bool:
+async def end_overdue(run: Run, *, quiet: bool) -> bool:
     """The watchdog's ending, which no line can stop: expired from the checkpoint, with an error line for each
     request that never ran; if that raises, failed (or cancelled) with only the checkpoint's results; if even that
     raises, with no result files, which takes nothing but a database write. False only when that write failed too;
     each failure is logged with its traceback unless `quiet` (a batch already tried)."""
-    common: dict[str, Any] = {"db": db, "storage": storage, "settings": settings, "batch_id": batch_id, "lease": lease}
-    expired = partial(end_from_checkpoint, **common, status=BatchStatus.EXPIRED, errors=())
-    failed = partial(
-        end_from_checkpoint, **common, status=BatchStatus.FAILED, errors=[RESULTS_NOT_WRITTEN], fill_unfinished=False
-    )
-    bare = partial(end_without_results, db=db, storage=storage, batch_id=batch_id, lease=lease)
+    expired = partial(end_from_checkpoint, run, BatchStatus.EXPIRED, ())
+    failed = partial(end_from_checkpoint, run, BatchStatus.FAILED, [RESULTS_NOT_WRITTEN], fill_unfinished=False)
+    bare = partial(end_without_results, run)
     endings = (("as expired", expired), ("with its checkpoint's results", failed), ("without result files", bare))
     for how, end in endings:
         try:
             await end()
         except Exception:
             if not quiet:
-                log.exception("batch %s: the watchdog could not end it %s", batch_id, how)
+                log.exception("batch %s: the watchdog could not end it %s", run.id, how)
         else:
             return True
     return False
 
 
-async def end_without_results(*, db: Engine, storage: Storage, batch_id: str, lease: Lease | None) -> None:
+async def end_without_results(run: Run) -> None:
     """End the batch failed (cancelled, if it was being cancelled) with no result files and no counts, saying so;
     its run files go if they can (the sweep at the next start takes what is left)."""
-    row = await asyncio.to_thread(batches.get, db=db, batch_id=batch_id, owner=None)
-    if row.status in TERMINAL:
+    stored = await run.stored()
+    if stored.status in TERMINAL:
         return
-    status = BatchStatus.CANCELLED if row.status == BatchStatus.CANCELLING else BatchStatus.FAILED
-    await asyncio.to_thread(
-        batches.publish,
-        db=db,
-        batch_id=batch_id,
-        to=status,
-        output=None,
-        error=None,
-        progress=Progress(),
-        timeline={},
-        errors=[NO_RESULTS_WRITTEN],
-        lease=lease,
-    )
-    log.error("batch %s: ended %s without result files", batch_id, status)
+    run.row = stored
+
+    async def commit(status: BatchStatus) -> BatchRow:
+        return await asyncio.to_thread(
+            batches.end_with_files,
+            db=run.db,
+            batch_id=run.id,
+            to=status,
+            output=None,
+            error=None,
+            progress=Progress(),
+            timeline={},
+            errors=[NO_RESULTS_WRITTEN],
+            lease=run.lease,
+        )
+
+    status = await _settle(run, BatchStatus.FAILED, commit)
+    log.error("batch %s: ended %s without result files", run.id, status)
     try:
-        await _unstoppable(_delete_all(storage, run_files(row.id, row.lease_token)))
+        await _unstoppable(_delete_all(run.storage, run.run_files))
     except Exception:
-        log.warning("batch %s: its run files could not be deleted; the next start removes them", batch_id)
+        log.warning("batch %s: its run files could not be deleted; the next start removes them", run.id)
 
 
 def record_unfinished(sink: ResultSink, index: InputIndex, status: BatchStatus) -> None:
@@ -260,36 +327,8 @@ def record_unfinished(sink: ResultSink, index: InputIndex, status: BatchStatus) 
             sink.record(position, error_outcome(custom_id, code, message))
 
 
-async def _index(storage: Storage, batch_id: str) -> InputIndex | None:
+async def _index_or_none(run: Run) -> InputIndex | None:
     try:
-        return InputIndex.from_bytes(await storage.read_bytes(index_name(batch_id)))
+        return await run.stored_index()
     except (OSError, ValueError):
         return None
-
-
-def own_parts(storage: Storage, row: BatchRow, lease: Lease | None) -> tuple[Path, Path]:
-    """The output and error part files a run writes: its lease's (or, run without one, the last checkpoint's)."""
-    token = lease.token if lease is not None else row.parts_token
-    output, error = (storage.path(name) for name in part_names(row.id, token))
-    return output, error
-
-
-async def begin_parts(
-    storage: Storage, row: BatchRow, sink: ResultSink, position_of: Callable[[], dict[str, int]]
-) -> None:
-    """Start a run's parts from what the last checkpoint counts in the parts it was taken in (`Storage.begin_parts`),
-    and open them, cut back to it, their lines counted."""
-    previous = part_names(row.id, row.parts_token)
-    own = (sink.output.path, sink.errors.path)
-    sink.ship = await storage.begin_parts(previous, (row.output_bytes_done, row.error_bytes_done), own)
-    await sink.open(output_bytes=row.output_bytes_done, error_bytes=row.error_bytes_done, position_of=position_of)
-
-
-async def _sink_at_checkpoint(
-    storage: Storage, row: BatchRow, index: InputIndex | None, lease: Lease | None
-) -> ResultSink:
-    """The run's parts, begun from the checkpoint's, cut back to it and open again, their lines counted."""
-    sink = ResultSink(*own_parts(storage, row, lease))
-    # Without an index no line is filled in, so which position a custom_id had does not matter, only the counts.
-    await begin_parts(storage, row, sink, index.position_of if index is not None else lambda: defaultdict(int))
-    return sink

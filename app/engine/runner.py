@@ -1,5 +1,6 @@
-"""One batch's life in the engine loop: its input taken in (`intake.py`), then run, finalized, or stopped for
-cancel, expiry or a full disk.
+"""One batch's life in the engine loop, top to bottom: resolved once into a `Run` (`run.py`), its input taken in
+(`intake.py`), then run (or, cut into shards, waited for: `shards.py`) and ended (`ending.py`, which decides every
+ending: completed, cancelled, expired, or failed with a full disk).
 
 Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
 when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
@@ -20,18 +21,19 @@ from app.core import clock, failpoints
 from app.core.disk import is_disk_full
 from app.domain import batches, leases
 from app.domain.input_index import InputIndex
-from app.domain.lifecycle import BatchStatus, InvalidTransition
-from app.domain.models import BatchRow
-from app.domain.results import Outcome, error_outcome, input_name, run_files
+from app.domain.leases import Lease
+from app.domain.lifecycle import BatchStatus
+from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.context import Context
-from app.engine.ending import DISK_FULL, begin_parts, end_from_checkpoint, own_parts, publish, record_unfinished
+from app.engine.ending import end_out_of_disk, end_unrun, end_with_results, input_gone, record_unfinished
 from app.engine.execution import run_lines
 from app.engine.feed import Turn
-from app.engine.intake import end_without_input, load_index, validate
+from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
 from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
-from app.engine.parts import Checkpoint, ResultSink
+from app.engine.parts import Checkpoint
+from app.engine.run import Run
 from app.engine.serving import EngineDead
 from app.engine.shards import run_parent
 
@@ -44,74 +46,65 @@ RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatu
 SUSPECT_FANOUT = 8
 
 
-async def run_batch(ctx: Context, batch_id: str) -> None:
-    """Run the batch to its end; a full disk ends it at once, failed, with what its last checkpoint holds."""
+async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
+    """Run the batch to its end under `lease`; a full disk ends it at once, failed, with what its last checkpoint
+    holds. The batch is resolved here, once, into the `Run` every step receives."""
+    run = await Run.resolve(db=ctx.db, storage=ctx.storage, settings=ctx.settings, batch_id=batch_id, lease=lease)
     try:
-        await _run_batch(ctx, batch_id)
+        await _run_batch(ctx, run)
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        ctx.storage.reserve.release()
-        log.error("batch %s: the disk is full; the batch fails with the results it has", batch_id)
-        await end_from_checkpoint(
-            db=ctx.db,
-            storage=ctx.storage,
-            settings=ctx.settings,
-            batch_id=batch_id,
-            status=BatchStatus.FAILED,
-            errors=[DISK_FULL],
-            lease=ctx.leases.get(batch_id),
-        )
+        await end_out_of_disk(run)
 
 
-async def _run_batch(ctx: Context, batch_id: str) -> None:
-    row = await asyncio.to_thread(batches.get, db=ctx.db, batch_id=batch_id, owner=None)
-    lease = ctx.leases.get(batch_id)
-    index: InputIndex | None = None
-    if row.status == BatchStatus.VALIDATING:
-        row, index = await validate(ctx, row)
+async def _run_batch(ctx: Context, run: Run) -> None:
+    if run.row.status == BatchStatus.VALIDATING and not await validate(ctx, run):
+        return
+    row = run.row
     if row.status in RUNNING and row.shards:
-        await run_parent(ctx, row)
+        await run_parent(ctx, run)
     elif row.status in RUNNING and row.in_progress_at is not None:
-        try:
-            index = index or await load_index(ctx, row)
-        except FileNotFoundError:
-            await asyncio.to_thread(end_without_input, ctx, row)
-            return
-        await BatchRun(ctx, row, index).run()
-    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line: its run files are not needed
-        for name in run_files(row.id, row.lease_token):
-            await ctx.storage.delete(name)
-        await asyncio.to_thread(batches.transition, db=ctx.db, batch_id=row.id, to=BatchStatus.CANCELLED, lease=lease)
+        if run.index is None:
+            try:
+                run.index = await load_index(ctx, run)
+            except FileNotFoundError:
+                # Began before vbatch kept its own input, which has since gone: it ends rather than wait.
+                log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
+                await end_unrun(run, [input_gone(run)])
+                return
+        await BatchRun(ctx, run, run.index).to_end()
+    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
+        await end_unrun(run)
 
 
 class BatchRun:
-    def __init__(self, ctx: Context, row: BatchRow, index: InputIndex) -> None:
+    def __init__(self, ctx: Context, run: Run, index: InputIndex) -> None:
         self.ctx = ctx
-        self.row = row
+        self.run = run
+        self.row = run.row  # as the run began
         self.index = index
-        self.lease = ctx.leases.get(row.id)
-        self.sink = ResultSink(*own_parts(ctx.storage, row, self.lease), observe=ctx.metrics.result)
-        self.input_path = ctx.storage.path(input_name(row.id))  # or its local copy, once the run begins
+        self.sink = run.new_sink(observe=ctx.metrics.result)
+        self.input_path = ctx.storage.path(run.input_name)  # or its local copy, once the run begins
         self.deaths_alone: dict[int, int] = {}
-        self.meter = RunMeter(total=row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
+        self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.live.generated_tokens)
         self.last_log = time.monotonic()
 
     def stats(self) -> RunStats | None:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
         return self.meter.stats(self.sink.progress)
 
-    async def run(self) -> None:
-        self.ctx.runs[self.row.id] = self
+    async def to_end(self) -> None:
+        self.ctx.runs.show(self.row.id, self)
         try:
             await self._run()
         finally:
-            self.ctx.runs.pop(self.row.id, None)
+            self.ctx.runs.hide(self.row.id, self)
             await self.sink.abandon()  # after an error: its files are closed now, not when collected
 
     async def _run(self) -> None:
-        self.input_path = await self.ctx.storage.local_path(input_name(self.row.id))
-        await begin_parts(self.ctx.storage, self.row, self.sink, self.index.position_of)
+        self.input_path = await self.ctx.storage.local_path(self.run.input_name)
+        await self.run.begin_parts(self.sink, self.index.position_of)
         if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
             await self._finish(BatchStatus.COMPLETED)
             return
@@ -135,13 +128,9 @@ class BatchRun:
         # With the disk full, results stop here: the room left is for the database to end the batch.
         self.ctx.storage.check_room()
         if self.sink.ship is not None:  # segments are written before their commit: not by a run that lost its lease
-            leases.check(await self._stored(), self.lease)
+            leases.check(await self.run.stored(), self.run.lease)
         with self.ctx.metrics.checkpoint_seconds.time():
             await self.sink.checkpoint(self._save)
-
-    async def _stored(self) -> BatchRow:
-        """The batch as the database has it now: a cancel, a lease passed on."""
-        return await asyncio.to_thread(batches.get, db=self.ctx.db, batch_id=self.row.id, owner=None)
 
     def _save(self, checkpoint: Checkpoint) -> None:
         batches.save_checkpoint(
@@ -150,7 +139,7 @@ class BatchRun:
             progress=checkpoint.progress,
             output_bytes=checkpoint.output_bytes,
             error_bytes=checkpoint.error_bytes,
-            lease=self.lease,
+            lease=self.run.lease,
             live=self.stats(),
         )
 
@@ -198,7 +187,7 @@ class BatchRun:
                     return turn.result()
                 if self._expired():
                     return BatchStatus.EXPIRED
-                if (await self._stored()).status == BatchStatus.CANCELLING:
+                if (await self.run.stored()).status == BatchStatus.CANCELLING:
                     return BatchStatus.CANCELLED
         finally:
             if not turn.done():
@@ -215,7 +204,7 @@ class BatchRun:
         while True:
             if suspects:
                 await self._settle(suspects)
-            generation = self.ctx.engine.generation
+            generation = self.ctx.live.generation
             in_flight: set[int] = set()
             try:
                 await self._feed(groups, in_flight, turn)
@@ -224,7 +213,7 @@ class BatchRun:
                 turn = None  # passed on: the re-run waits for a turn of its own
                 suspects = sorted(in_flight - self.sink.done)
                 log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
-                await self.ctx.engine.recover(generation)
+                await self.ctx.live.recover(generation)
 
     async def _feed(self, groups: list[Group], in_flight: set[int], turn: Turn | None) -> None:
         ctx = self.ctx
@@ -239,7 +228,7 @@ class BatchRun:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
                 failpoints.ARMED.held(lines, ctx.settings.data_dir),
-                executor=ctx.engine,
+                executor=ctx.live,
                 endpoint=self.row.endpoint,
                 slots=ctx.slots,
                 workers=ctx.max_in_flight,
@@ -259,9 +248,9 @@ class BatchRun:
             group = [n for n in queue.popleft() if n not in self.sink.done]
             if not group:
                 continue
-            generation = self.ctx.engine.generation
+            generation = self.ctx.live.generation
             try:
-                async with self.ctx.engine.isolated() as executor:
+                async with self.ctx.live.isolated() as executor:
                     await run_lines(
                         self._lines(group),
                         executor=executor,
@@ -271,7 +260,7 @@ class BatchRun:
                         on_outcome=self._record,
                     )
             except EngineDead:
-                await self.ctx.engine.recover(generation)
+                await self.ctx.live.recover(generation)
                 unfinished = [n for n in group if n not in self.sink.done]
                 if len(unfinished) == 1:
                     await self._blame(unfinished[0], queue)
@@ -315,7 +304,7 @@ class BatchRun:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
             await self._checkpoint()
-            if (await self._stored()).status == BatchStatus.CANCELLING:
+            if (await self.run.stored()).status == BatchStatus.CANCELLING:
                 return BatchStatus.CANCELLED
             if self._expired():
                 return BatchStatus.EXPIRED
@@ -346,28 +335,11 @@ class BatchRun:
         await self._checkpoint()
 
     async def _finish(self, status: BatchStatus) -> None:
-        ctx = self.ctx
-        if status == BatchStatus.COMPLETED and self.row.status != BatchStatus.FINALIZING:
-            try:
-                await asyncio.to_thread(
-                    batches.transition, db=ctx.db, batch_id=self.row.id, to=BatchStatus.FINALIZING, lease=self.lease
-                )
-            except InvalidTransition:
-                # Cancelled after its last line had finished: it ends cancelled, with every result it has.
-                status = BatchStatus.CANCELLED
         self.meter.mark("published")
         self.meter.sample(self.sink.progress, last=True)
-        with ctx.metrics.publish_seconds.time():
-            await publish(
-                db=ctx.db,
-                storage=ctx.storage,
-                settings=ctx.settings,
-                row=self.row,
-                sink=self.sink,
-                status=status,
-                timeline=self.meter.timeline,
-                series=self.meter.series(),
-                lease=self.lease,
+        with self.ctx.metrics.publish_seconds.time():
+            await end_with_results(
+                self.run, self.sink, status, timeline=self.meter.timeline, series=self.meter.series()
             )
         log.info(
             "batch %s: timeline %s",

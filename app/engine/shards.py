@@ -23,15 +23,14 @@ from app.core.ids import new_id
 from app.domain import batches
 from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
-from app.domain.leases import Lease
 from app.domain.lifecycle import TERMINAL, BatchStatus, InvalidTransition
 from app.domain.models import BatchRow
 from app.domain.results import index_name, input_name
 from app.domain.schemas import BatchError, BatchErrors
 from app.engine.context import Context
-from app.engine.ending import own_parts, publish
+from app.engine.ending import end_with_results, shards_ending
 from app.engine.ordering import plan
-from app.engine.parts import ResultSink
+from app.engine.run import Run
 
 log = logging.getLogger("vbatch.runner")
 
@@ -53,13 +52,14 @@ def _pieces(positions: Sequence[int], size: int) -> list[Sequence[int]]:
     return [positions[i : i + size] for i in range(0, len(positions), size)]
 
 
-async def make_shards(ctx: Context, row: BatchRow, index: InputIndex, model: str | None) -> list[BatchRow]:
-    """The shard rows to start the batch with, their inputs and indexes stored; none if it is not large enough to
-    cut (or this service does not cut)."""
+async def make_shards(ctx: Context, run: Run, index: InputIndex, model: str | None) -> list[BatchRow]:
+    """The shard rows to start the batch with, their inputs and indexes stored (under the names each shard's own run
+    will use); none if it is not large enough to cut (or this service does not cut)."""
     positions = cut(index, ctx.shard_lines) if ctx.shard_lines and len(index) > ctx.shard_lines else []
     if len(positions) < 2:
         return []
-    source = await ctx.storage.local_path(input_name(row.id))
+    row = run.row
+    source = await ctx.storage.local_path(run.input_name)
     shards = []
     for number, shard in enumerate(positions):
         data, shard_index = await asyncio.to_thread(_extract, source, index, shard)
@@ -111,27 +111,27 @@ def _shard_row(parent: BatchRow, number: int, *, total: int, model: str | None) 
     )
 
 
-async def run_parent(ctx: Context, row: BatchRow) -> None:
+async def run_parent(ctx: Context, run: Run) -> None:
     """Wait for the shards, keeping the parent's counts and passing a cancel on; then join and end."""
-    lease = ctx.leases.get(row.id)
-    while (ended := await asyncio.to_thread(_look_at_shards, ctx, row.id, lease)) is None:
+    while (ended := await asyncio.to_thread(_look_at_shards, ctx, run)) is None:
         await asyncio.sleep(ctx.settings.checkpoint_seconds)
-    await _join(ctx, *ended)
+    run.row, shards, progress = ended
+    await _join(ctx, run, shards, progress)
 
 
-def _look_at_shards(
-    ctx: Context, batch_id: str, lease: Lease | None
-) -> tuple[BatchRow, list[BatchRow], Progress] | None:
+def _look_at_shards(ctx: Context, run: Run) -> tuple[BatchRow, list[BatchRow], Progress] | None:
     """Pass a cancel on and keep the parent's counts; once every shard has ended, the parent, its shards and their
     counts (None before)."""
-    parent = batches.get(db=ctx.db, batch_id=batch_id, owner=None)
-    shards = batches.shards_of(db=ctx.db, batch_id=batch_id)
+    parent = run.stored_now()
+    shards = batches.shards_of(db=ctx.db, batch_id=run.id)
     if parent.status == BatchStatus.CANCELLING:
         _cancel(ctx, shards)
     progress = _sum(shards)
     if all(shard.status in TERMINAL for shard in shards):
         return parent, shards, progress
-    batches.save_checkpoint(db=ctx.db, batch_id=batch_id, progress=progress, output_bytes=0, error_bytes=0, lease=lease)
+    batches.save_checkpoint(
+        db=ctx.db, batch_id=run.id, progress=progress, output_bytes=0, error_bytes=0, lease=run.lease
+    )
     return None
 
 
@@ -150,20 +150,8 @@ def _sum(shards: list[BatchRow]) -> Progress:
     return total
 
 
-def _status(parent: BatchRow, shards: list[BatchRow]) -> BatchStatus:
-    ended = {shard.status for shard in shards}
-    if parent.status == BatchStatus.CANCELLING or BatchStatus.CANCELLED in ended:
-        return BatchStatus.CANCELLED
-    if BatchStatus.EXPIRED in ended:
-        return BatchStatus.EXPIRED
-    if BatchStatus.FAILED in ended:
-        return BatchStatus.FAILED
-    return BatchStatus.COMPLETED
-
-
-async def _join(ctx: Context, parent: BatchRow, shards: list[BatchRow], progress: Progress) -> None:
-    lease = ctx.leases.get(parent.id)
-    sink = ResultSink(*own_parts(ctx.storage, parent, lease))
+async def _join(ctx: Context, run: Run, shards: list[BatchRow], progress: Progress) -> None:
+    sink = run.new_sink()
     await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
     for shard in shards:
         for file_id, appender in ((shard.output_file_id, sink.output), (shard.error_file_id, sink.errors)):
@@ -172,25 +160,7 @@ async def _join(ctx: Context, parent: BatchRow, shards: list[BatchRow], progress
                     appender.add_lines(chunk)
                 await appender.flush()
     sink.progress = replace(progress)
-    status = _status(parent, shards)
-    if status == BatchStatus.COMPLETED and parent.status != BatchStatus.FINALIZING:
-        try:
-            await asyncio.to_thread(
-                batches.transition, db=ctx.db, batch_id=parent.id, to=BatchStatus.FINALIZING, lease=lease
-            )
-        except InvalidTransition:
-            status = BatchStatus.CANCELLED  # cancelled after its last shard had finished
-    await publish(
-        db=ctx.db,
-        storage=ctx.storage,
-        settings=ctx.settings,
-        row=parent,
-        sink=sink,
-        status=status,
-        timeline={},
-        errors=_errors(shards),
-        lease=lease,
-    )
+    await end_with_results(run, sink, shards_ending(shards), timeline={}, errors=_errors(shards))
     await batches.forget_shards(db=ctx.db, storage=ctx.storage, shards=shards)
 
 

@@ -1,0 +1,94 @@
+"""The lease holder: which batches this service holds (`app.domain.leases`), kept in the registry it shares with
+the scheduler and the watchdog (`app.engine.runs`).
+
+At every look for work it renews the leases it holds and stops the runs of those it lost, claims batches no one
+holds (up to `hold_at_most`), and ends the leases of batches that have ended. A service that stops gives its
+batches up, for the next one to take at once. Each database call runs on a thread, and what it returns is applied
+on the loop: the registry is the loop's alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from sqlalchemy.engine import Engine
+
+from app.core.config import Settings
+from app.domain import batches, leases
+from app.domain.leases import Lease
+from app.domain.models import BatchRow
+from app.engine.runs import Runs
+
+log = logging.getLogger("vbatch.engine")
+
+
+class LeaseHolder:
+    def __init__(self, runs: Runs) -> None:
+        self.runs = runs
+        self.name = leases.holder_name()
+        # At most this many batches at once (None: every active batch, as `vbatch serve` alone does).
+        self.hold_at_most: int | None = None
+
+    async def release_dead(self, db: Engine) -> None:
+        with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
+            if freed := await asyncio.to_thread(leases.release_dead, db=db):
+                log.info("freed the leases of %d holders on this host whose processes are gone", freed)
+
+    async def hold(self, db: Engine, settings: Settings) -> list[BatchRow]:
+        """Renew this service's leases, stop the runs of those it lost, claim the batches no one holds, and end the
+        leases of those that have ended: the active batches it now holds, oldest first."""
+        lost = await asyncio.to_thread(leases.renew, db=db, leases=self.runs.leases(), seconds=settings.lease_seconds)
+        for batch_id in lost:
+            if self.runs.running(batch_id):
+                log.error("batch %s: its lease passed to another service; this run stops", batch_id)
+            await self.runs.let_go(batch_id)
+        room = None if self.hold_at_most is None else self.hold_at_most - len(self.runs)
+        if room is None or room > 0:
+            await self._claim(db, settings, room)
+        rows = [row for row in await asyncio.to_thread(batches.active, db=db) if row.id in self.runs]
+        active = {row.id for row in rows}
+        for batch_id in [b for b in self.runs.ids() if b not in active and not self.runs.running(b)]:
+            lease = self.runs.lease(batch_id)
+            assert lease is not None
+            # Its end written to the row before it leaves the registry: a write that fails is tried at the next look.
+            await asyncio.to_thread(leases.end, db=db, lease=lease)
+            self.runs.drop(batch_id)
+        return rows
+
+    async def _claim(self, db: Engine, settings: Settings, room: int | None) -> None:
+        """Hold what the claim took even when a stop cancels the wait for it: a lease taken without this service
+        knowing would not be released at the stop, and would keep its batch from every other one until it ran out."""
+        claiming = asyncio.ensure_future(
+            asyncio.to_thread(leases.claim, db=db, holder=self.name, seconds=settings.lease_seconds, limit=room)
+        )
+        try:
+            claimed = await asyncio.shield(claiming)
+        except asyncio.CancelledError:
+            self._keep(await claiming)
+            raise
+        self._keep(claimed)
+
+    def _keep(self, claimed: list[Lease]) -> None:
+        for lease in claimed:
+            self.runs.hold(lease)
+            if lease.token > 1:
+                log.info(
+                    "batch %s: held again (lease token %d); it goes on from its last checkpoint",
+                    lease.batch_id,
+                    lease.token,
+                )
+
+    async def release_all(self, db: Engine) -> None:
+        """A service that stops gives its batches up, for the next one to take at once (its runs have stopped)."""
+        await asyncio.to_thread(_release, db, self.runs.leases())
+        self.runs.clear()
+
+
+def _release(db: Engine, held: list[Lease]) -> None:
+    for lease in held:
+        try:
+            leases.release(db=db, lease=lease)
+        except Exception:
+            log.warning("batch %s: its lease could not be released; it passes on when it runs out", lease.batch_id)
