@@ -144,25 +144,24 @@ async def end_with_results(
     error = await _result_file(run, sink.errors, "error")
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
 
-    async def commit(status: BatchStatus) -> BatchRow:
-        return await asyncio.to_thread(
-            batches.end_with_files,
-            db=run.db,
-            batch_id=run.id,
-            to=status,
-            output=output,
-            error=error,
-            progress=sink.progress,
-            timeline=timeline,
-            series=series,
-            errors=errors,
-            lease=run.lease,
-        )
-
+    commit = _ending_commit(
+        run, output=output, error=error, progress=sink.progress, timeline=timeline, series=series, errors=errors
+    )
     status = await _unstoppable(_commit_then_delete(run, wanted, commit))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": run.id, "event": f"batch.{status}", **done}
     log.info("batch %s: %s, %d completed, %d failed", run.id, status, done["completed"], done["failed"], extra=fields)
+
+
+def _ending_commit(run: Run, **ended_with: Any) -> Callable[[BatchStatus], Awaitable[BatchRow]]:
+    """The transaction that ends `run`'s batch, as whichever status `_settle` decides, with these files and counts."""
+
+    async def commit(status: BatchStatus) -> BatchRow:
+        return await asyncio.to_thread(
+            batches.end_with_files, db=run.db, batch_id=run.id, to=status, lease=run.lease, **ended_with
+        )
+
+    return commit
 
 
 async def _finalizing(run: Run, status: BatchStatus) -> BatchRow | None:
@@ -293,20 +292,7 @@ async def end_without_results(run: Run) -> None:
         return
     run.row = stored
 
-    async def commit(status: BatchStatus) -> BatchRow:
-        return await asyncio.to_thread(
-            batches.end_with_files,
-            db=run.db,
-            batch_id=run.id,
-            to=status,
-            output=None,
-            error=None,
-            progress=Progress(),
-            timeline={},
-            errors=[NO_RESULTS_WRITTEN],
-            lease=run.lease,
-        )
-
+    commit = _ending_commit(run, output=None, error=None, progress=Progress(), timeline={}, errors=[NO_RESULTS_WRITTEN])
     status = await _settle(run, BatchStatus.FAILED, commit)
     log.error("batch %s: ended %s without result files", run.id, status)
     try:
