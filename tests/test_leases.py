@@ -131,8 +131,8 @@ def test_a_stalled_service_loses_its_batch_to_another_and_writes_nothing_after(s
             assert Counter(line["custom_id"] for line in output) == Counter(f"r{i}" for i in range(20))
             assert other_engine.executor.calls == 15  # the five checkpointed lines were not run again
             published = client.get(f"/v1/files/{done['output_file_id']}/content").content
-            # Its run over: nothing renews the row's lease now. The service drops the lease from its dict before it
-            # writes the end to the row, so the row is what says the end is written.
+            # Its run over: nothing renews the row's lease now. The service writes the end to the row, then forgets
+            # the lease; both are waited for, so the row read below is the ended one whatever the order.
             wait_for(lambda: batch["id"] not in other.leases and lease_ended(db, batch["id"]))
             row = batches.get(db=db, batch_id=batch["id"], owner=None).model_dump()
             # The stalled service comes back, its held lines answered: it finds its lease gone and writes nothing.
