@@ -23,7 +23,7 @@ from starlette.routing import Route
 from app.core.webhooks import Endpoint, Refused, check_destination, send
 from app.testing import free_port
 from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
-from tests.test_webhooks import SECRET, Receiver, outbox, with_webhook
+from tests.test_webhooks import SECRET, Receiver, outbox, receiving, with_webhook
 
 # Hosts that are not global unicast, in the spellings that passed the check before (the first four) and others.
 REFUSED = [
@@ -100,10 +100,7 @@ def test_a_name_with_one_private_answer_among_public_ones_is_refused(monkeypatch
 
 @pytest.fixture
 def loopback_receiver() -> Iterator[Receiver]:
-    recorder = Receiver()
-    app = Starlette(routes=[Route("/hook", recorder.hook, methods=["POST"])])
-    with serving(app, free_port()) as port:
-        recorder.url = f"http://127.0.0.1:{port}/hook"
+    with receiving() as recorder:
         yield recorder
 
 

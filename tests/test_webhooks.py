@@ -8,6 +8,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,12 +51,19 @@ class Receiver:
             return [sdk.webhooks.unwrap(body, headers, secret=SECRET) for body, headers in self.received]
 
 
-@pytest.fixture
-def receiver() -> Iterator[Receiver]:
+@contextmanager
+def receiving() -> Iterator[Receiver]:
+    """A receiver listening on loopback at `url` until the block ends."""
     recorder = Receiver()
     app = Starlette(routes=[Route("/hook", recorder.hook, methods=["POST"])])
     with serving(app, free_port()) as port:
         recorder.url = f"http://127.0.0.1:{port}/hook"
+        yield recorder
+
+
+@pytest.fixture
+def receiver() -> Iterator[Receiver]:
+    with receiving() as recorder:
         yield recorder
 
 
