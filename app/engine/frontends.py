@@ -33,7 +33,7 @@ import zmq
 import zmq.asyncio
 
 from app.domain.results import Body, EncodedBody, encode_body
-from app.engine.serving import EngineDead, Serving
+from app.engine.serving import EngineDead, Serving, Stream
 
 log = logging.getLogger("vbatch.engine")
 
@@ -158,6 +158,9 @@ class FrontendPool:
                 frontend.outbox.append(("abort", request_id))  # the engine stops generating it
                 self._wake.set()
             raise
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        raise NotImplementedError("online requests: issue 29, in progress")
 
     async def is_alive(self) -> bool:
         if self._engine_lost or not all(f.alive for f in self._frontends):

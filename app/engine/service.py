@@ -24,6 +24,7 @@ from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import workers
 from app.domain.leases import Lease
+from app.domain.online import OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.bridge import EngineThread
@@ -119,6 +120,9 @@ class EngineService:
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._bridge.wake()
+
+    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+        raise NotImplementedError("online requests: issue 29, in progress")
 
     async def start(
         self,

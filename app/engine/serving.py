@@ -16,6 +16,10 @@ from app.domain.results import Body
 log = logging.getLogger("vbatch.engine")
 
 
+# Server-sent events as `vllm serve` writes them: each `data: {...}\n\n`, the last `data: [DONE]\n\n`.
+Stream = AsyncIterator[str]
+
+
 class EngineDead(Exception):
     """The engine process is gone; every request in flight failed with it."""
 
@@ -43,6 +47,12 @@ class Serving(Protocol):
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         """(HTTP status, JSON body) as `vllm serve` would answer; raises EngineDead when the engine is gone.
         `rank`: the data-parallel rank to run it on (None: the engine's own balancing)."""
+        ...
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        """An online request (`app.domain.online`), exactly as `vllm serve` answers it: (HTTP status, JSON body), or
+        for a body that asks `stream` and is accepted, its server-sent events. Cancelling the call, or closing the
+        stream before its end, aborts the request in the engine. Raises EngineDead when the engine is gone."""
         ...
 
     async def is_alive(self) -> bool: ...
@@ -113,6 +123,11 @@ class _Poisoned:
         if body.get("user") == self._poison_user:
             _kill_engine_core()
         return await self._serving.execute(endpoint, body, rank)
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        if body.get("user") == self._poison_user:
+            _kill_engine_core()
+        return await self._serving.respond(endpoint, body)
 
 
 def _kill_engine_core() -> None:

@@ -15,6 +15,7 @@ from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import batches, workers
 from app.domain.errors import NotFound
+from app.domain.online import OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.metrics import Metrics
@@ -44,6 +45,11 @@ class EngineView(Protocol):
     def live_stats(self, batch_id: str) -> RunStats | None: ...
     def live_rates(self) -> dict[str, tuple[float, float]]: ...
     def wake(self) -> None: ...
+    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+        """An online request's answer (`app.domain.online`), on the caller's event loop; raises EngineUnavailable
+        when no engine can answer it now."""
+        ...
+
     async def start(
         self,
         *,
@@ -133,6 +139,9 @@ class WorkersView:
 
     def live_rates(self) -> dict[str, tuple[float, float]]:
         return {}
+
+    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+        raise NotImplementedError("online requests through `vbatch api`: issue 29, in progress")
 
     def wake(self) -> None:
         """Workers hear of new work from the database (`db.announce_work`), or find it at their next poll."""

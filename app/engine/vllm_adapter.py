@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
-from app.engine.serving import EngineDead, EngineFactory
+from app.engine.serving import EngineDead, EngineFactory, Stream
 
 VLLM_VERSION: str = vllm.__version__
 log = logging.getLogger("vbatch.engine")
@@ -189,6 +189,9 @@ class ServingLayer:
         from vllm.v1.metrics.prometheus import get_prometheus_registry
 
         return _exposition(get_prometheus_registry())
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        raise NotImplementedError("online requests: issue 29, in progress")
 
     async def is_alive(self) -> bool:
         try:
