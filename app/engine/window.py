@@ -59,20 +59,20 @@ class WindowSize(NamedTuple):
 
 class OnlineTraffic:
     """What the window knows of online requests: how many are in flight, when the last one arrived, and the time to
-    first token of recent ones, each kept with the time its request arrived."""
+    first token of those whose first token came in the last `RECENT_SECONDS`."""
 
     def __init__(self, now: Callable[[], float]) -> None:
         self._now = now
         self.in_flight = 0
         self.last_arrival = -math.inf
-        self._first_tokens: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)
+        self._first_tokens: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (when it came, seconds)
 
     def arrived(self) -> None:
         self.in_flight += 1
         self.last_arrival = self._now()
 
     def first_token(self, seconds: float) -> None:
-        self._first_tokens.append((self._now() - seconds, seconds))
+        self._first_tokens.append((self._now(), seconds))
 
     def done(self) -> None:
         self.in_flight = max(0, self.in_flight - 1)  # a report without its arrival must not leave the count negative
@@ -84,7 +84,7 @@ class OnlineTraffic:
         """The `PERCENTILE` time to first token of the requests that arrived since then (None: none measured)."""
         while self._first_tokens and self._first_tokens[0][0] < self._now() - RECENT_SECONDS:
             self._first_tokens.popleft()
-        seconds = sorted(ttft for arrived, ttft in self._first_tokens if arrived >= arrived_since)
+        seconds = sorted(ttft for came, ttft in self._first_tokens if came - ttft >= arrived_since)
         if not seconds:
             return None
         return seconds[min(len(seconds) - 1, math.ceil(PERCENTILE * len(seconds)) - 1)]
@@ -96,8 +96,9 @@ class BatchWindow:
     loop only; `size` may be read from any thread."""
 
     def __init__(
-        self, *, max_size: int, wave: int, ttft_target_seconds: float, now: Callable[[], float] = clock.monotonic
+        self, *, max_size: int, wave: int, ttft_target_seconds: float, now: Callable[[], float] | None = None
     ) -> None:
+        now = now or (lambda: clock.monotonic())  # looked up at each call: a test may drive `clock.monotonic`
         self.max_size = max_size
         self.size = max_size
         self.wave = wave
