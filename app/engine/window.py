@@ -8,7 +8,8 @@ Why a window on top of priorities. vLLM's v1 scheduler (vllm 0.32, `vllm/v1/core
 `PriorityRequestQueue` ordered by (priority, arrival time), so an online request is the first waiting one let in,
 but only once a running slot frees: it preempts nobody for a slot. Priority preemption happens in one place, when
 `kv_cache_manager.allocate_slots` finds no KV block for a request already running; the victim is
-`max(self.running, key=lambda r: (r.priority, r.arrival_time))`, a batch line before any online request. A waiting
+`max(self.running, key=lambda r: (r.priority, r.arrival_time))`, a batch line before any online request of the
+default or priority tier. A waiting
 request that finds no block just waits (`break`), no waiting request is admitted in a step that preempted, and the
 running requests take the step's token budget before any waiting prefill. So with every max_num_seqs slot held by
 batch lines, an online request waits for a batch line to finish, however good its priority. The window, at most
@@ -19,9 +20,9 @@ The rule, applied every `TICK_SECONDS` on the engine loop from what the online p
 `online_first_token`, `online_done`):
 - no online request in flight nor arrived in the last `QUIET_SECONDS`: the window is `max_in_flight` at once, the
   batch filling every idle slot;
-- else, the `PERCENTILE` time to first token of the online requests that arrived in the last `RECENT_SECONDS`, and
-  not before the window last shrank (a shrink is judged only on requests that came after it), above the target:
-  the window shrinks by `SHRINK`;
+- else, the `PERCENTILE` time to first token of the online requests whose first token came in the last
+  `RECENT_SECONDS` and that arrived after the window last shrank (a shrink is judged only on requests that came
+  after it), above the target: the window shrinks by `SHRINK`;
 - at or under the target: it grows by `grow_step` (a sixteenth of a wave) a tick; with no such request measured yet
   it holds, unless no online request has arrived for `QUIET_SECONDS` (only long ones left running), when it grows.
 It never goes below its floor: one wave less twice the online requests in flight (their own slots, and as many
