@@ -224,3 +224,19 @@ def test_no_window_series_before_an_engine_serves():
     text = generate_latest(metrics.registry).decode()
     assert "vbatch_batch_window 5.0" in text and "vbatch_batch_window_max 9.0" in text
     assert "vbatch_batch_preemptions" not in text  # an engine that does not say is not shown as 0
+
+
+def test_the_preemptions_are_vllms_counter_summed_over_its_engines():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    from app.engine.vllm_adapter import _preemptions
+
+    registry = CollectorRegistry()
+    # As vLLM's PrometheusStatLogger makes it: one child per engine, made at start.
+    counter = PromCounter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                          ["model_name", "engine"], registry=registry)  # fmt: skip
+    assert _preemptions(registry) is None
+    counter.labels("m", "0").inc(2)
+    counter.labels("m", "1").inc(3)
+    assert _preemptions(registry) == 5
