@@ -36,6 +36,7 @@ class FakeExecutor:
     def __init__(self) -> None:
         self.calls = 0
         self.generated = 0  # completion tokens answered so far
+        self.preemptions = 0  # what the engine's preemption counter says: the fake preempts nothing unless told
         self.bodies: list[dict] = []
         self.ranks: list[int | None] = []  # the data-parallel rank each call was pinned to
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
@@ -115,6 +116,9 @@ class FakeServing:
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         return await self.executor.execute(endpoint, body, rank)
+
+    def preemptions(self) -> int | None:
+        return self.executor.preemptions
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
         raise NotImplementedError("online requests: issue 29, in progress")

@@ -52,6 +52,11 @@ class Settings(BaseSettings):
     output_file_ttl_seconds: int = 30 * 86400
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
+    # Online requests' time to first token the batch window keeps under (`app.engine.window`): while their recent
+    # p90 is above it, fewer batch lines are in flight. 500 ms: about where a chat reply stops feeling immediate, and
+    # far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way only
+    # when batch lines really are in the way. 0: the window stays at max_in_flight.
+    live_ttft_target_ms: float = 500.0
     progress_log_seconds: float = 5.0
     # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
     checkpoint_seconds: float = 0.5

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import TracebackType
 from typing import Protocol
 
 from app.domain.results import Body, Outcome, http_outcome
@@ -15,6 +16,16 @@ from app.domain.results import Body, Outcome, http_outcome
 
 class Executor(Protocol):
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]: ...
+
+
+class Slots(Protocol):
+    """Places for lines in flight: `asyncio.Semaphore`, or the batch window (`app.engine.window`), whose size moves."""
+
+    async def __aenter__(self) -> None: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
 
 # (position, request, data-parallel rank or None)
@@ -27,7 +38,7 @@ async def run_lines(
     *,
     executor: Executor,
     endpoint: str,
-    slots: asyncio.Semaphore,
+    slots: Slots,
     workers: int,
     on_outcome: OnOutcome,
     on_all_submitted: Callable[[], None] | None = None,

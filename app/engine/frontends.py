@@ -93,6 +93,7 @@ class FrontendPool:
         generated_tokens: Callable[[], int | None],
         metrics_text: Callable[[], bytes],
         engine_config: dict[str, object] | None = None,
+        preemptions: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.data_parallel_size = data_parallel_size
@@ -104,6 +105,7 @@ class FrontendPool:
         self._engine_lost = False
         self._generated_tokens = generated_tokens
         self._metrics_text = metrics_text
+        self._preemptions = preemptions
         self._frontends = [_Frontend(i, p) for i, p in enumerate(processes)]
         self._by_identity: dict[bytes, _Frontend] = {}
         self._ids = itertools.count()
@@ -178,6 +180,9 @@ class FrontendPool:
 
     def metrics_text(self) -> bytes:
         return self._metrics_text()
+
+    def preemptions(self) -> int | None:
+        return self._preemptions()
 
     def _least_busy(self) -> _Frontend:
         if self._engine_lost:

@@ -70,6 +70,11 @@ class LiveEngine:
         serving = self._serving
         return serving.metrics_text() if serving is not None else b""
 
+    def preemptions(self) -> int | None:
+        """The running engine's preemptions since it started (a new engine counts from 0 again)."""
+        serving = self._serving
+        return serving.preemptions() if serving is not None and self.state == "ok" else None
+
     async def check(self) -> None:
         """Restart an engine that died with nothing in flight: no request would notice, and /health would say ok."""
         if self.state != "ok" or self._serving is None or await self._serving.is_alive():

@@ -25,6 +25,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class Metrics:
+    # The batch window's series, once an engine serves here (`watch_window`).
+    _window: _BatchWindow | None = None
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
@@ -77,6 +80,17 @@ class Metrics:
     def watch(self, state: Callable[[], State]) -> None:
         """What is true now, read at every scrape from `state`."""
         self.registry.register(_Now(state))
+
+    def watch_window(
+        self, numbers: Callable[[], tuple[int, int] | None], preemptions: Callable[[], int | None]
+    ) -> None:
+        """The batch window's (size, most) and the engine's preemptions, read at every scrape; called again (a new
+        context), the new readers replace the old."""
+        if self._window is None:
+            self._window = _BatchWindow()
+            self.registry.register(self._window)
+        self._window.numbers = numbers
+        self._window.preemptions = preemptions
 
     def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]]) -> bytes:
         """The engine's series, then vbatch's; of those about one batch (a `batch_id` label) only the ones whose id
@@ -159,3 +173,41 @@ class _Now(Collector):
             "vbatch_engine_restarts", "Engine deaths after which a new engine was started.", value=now.engine_deaths
         )
         yield GaugeMetricFamily("vbatch_engine_up", "1 while the engine serves.", value=1 if now.engine_up else 0)
+
+
+# The batch window (`app.engine.window`) and the engine's preemptions, read at scrape time from the process that runs
+# the engine (an API replica, with none, shows neither).
+
+
+class _BatchWindow(Collector):
+    def __init__(self) -> None:
+        self.numbers: Callable[[], tuple[int, int] | None] = lambda: None
+        self.preemptions: Callable[[], int | None] = lambda: None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        numbers = self.numbers()
+        if numbers is not None:
+            size, max_size = numbers
+            yield GaugeMetricFamily(
+                "vbatch_batch_window",
+                "Batch lines the engine may have in flight now: below vbatch_batch_window_max while online requests "
+                "are over their time-to-first-token target.",
+                value=size,
+            )
+            yield GaugeMetricFamily(
+                "vbatch_batch_window_max",
+                "The most batch lines in flight at once (VBATCH_MAX_IN_FLIGHT).",
+                value=max_size,
+            )
+        preemptions = self.preemptions()
+        if preemptions is not None:
+            yield CounterMetricFamily(
+                "vbatch_batch_preemptions",
+                "Requests the engine preempted (vllm:num_preemptions, since the engine started). The engine counts "
+                "every preemption; it preempts the running request of the worst priority first and online requests "
+                "run at a better one than batch lines, so in practice these are batch lines preempted for online ones.",
+                value=preemptions,
+            )

@@ -230,7 +230,7 @@ class BatchRun:
                 failpoints.ARMED.held(lines, ctx.settings.data_dir),
                 executor=ctx.live,
                 endpoint=self.row.endpoint,
-                slots=ctx.slots,
+                slots=ctx.window,
                 workers=ctx.max_in_flight,
                 on_outcome=self._record,
                 on_all_submitted=release,

@@ -35,6 +35,7 @@ from app.engine.metrics import Metrics
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
 from app.engine.serving import EngineFactory, Serving, engine_wave
+from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
 
@@ -117,6 +118,13 @@ class EngineService:
         ctx = self._ctx
         return ctx.feed.waiting() if ctx is not None else 0
 
+    @property
+    def batch_window(self) -> WindowSize | None:
+        """The batch's in-flight window now and at most (`app.engine.window`), from any thread; None before the
+        engine first serves."""
+        ctx = self._ctx
+        return ctx.window.numbers if ctx is not None else None
+
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._bridge.wake()
@@ -183,6 +191,8 @@ class EngineService:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         wave = engine_wave(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
+        window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=settings.live_ttft_target_ms / 1000)
+        self.metrics.watch_window(lambda: window.numbers, self.live.preemptions)
         ctx = Context(
             db=db,
             storage=storage,
@@ -192,7 +202,7 @@ class EngineService:
             max_in_flight=max_in_flight,
             wave=wave,
             ranks=max(1, serving.data_parallel_size),
-            slots=asyncio.Semaphore(max_in_flight),
+            window=window,
             metrics=self.metrics,
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,

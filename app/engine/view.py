@@ -19,6 +19,7 @@ from app.domain.online import OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.metrics import Metrics
+from app.engine.window import WindowSize
 
 State = Literal["starting", "ok", "restarting", "down"]
 # How long a worker may be silent and still count (it says so every second).
@@ -40,6 +41,10 @@ class EngineView(Protocol):
     def scheduler_error(self) -> str | None: ...
     @property
     def deaths(self) -> int: ...
+    @property
+    def batch_window(self) -> WindowSize | None:
+        """The batch's in-flight window now and at most (`app.engine.window`); None without an engine here."""
+        ...
 
     def metrics_text(self) -> bytes: ...
     def live_stats(self, batch_id: str) -> RunStats | None: ...
@@ -124,6 +129,10 @@ class WorkersView:
     @property
     def deaths(self) -> int:
         return sum(worker.engine_deaths for worker in self.workers())
+
+    @property
+    def batch_window(self) -> WindowSize | None:
+        return None  # each worker's is on its own /metrics (vbatch_batch_window)
 
     def metrics_text(self) -> bytes:
         return b""  # each worker's engine series are on its own /metrics

@@ -190,6 +190,11 @@ class ServingLayer:
 
         return _exposition(get_prometheus_registry())
 
+    def preemptions(self) -> int | None:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return _preemptions(get_prometheus_registry())
+
     async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
         raise NotImplementedError("online requests: issue 29, in progress")
 
@@ -299,6 +304,7 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
                 engine_config=_engine_config(launched.config),
                 generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
                 metrics_text=lambda: _exposition(get_prometheus_registry()),
+                preemptions=lambda: _preemptions(get_prometheus_registry()),
             )
             try:
                 try:
@@ -423,9 +429,20 @@ def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, cli
 
 
 def _generation_tokens(registry: Any) -> int | None:
+    return _counter_total(registry, "vllm:generation_tokens")
+
+
+def _preemptions(registry: Any) -> int | None:
+    """vLLM counts a preemption per request each time the scheduler takes its KV blocks back (`vllm:num_preemptions`;
+    its per-request `vllm:request_num_preemptions` histogram carries no priority, so the total is what there is)."""
+    return _counter_total(registry, "vllm:num_preemptions")
+
+
+def _counter_total(registry: Any, name: str) -> int | None:
+    """A counter of vLLM's registry summed over its engines (None: not there)."""
     total, seen = 0.0, False
     for metric in registry.collect():
-        if metric.name == "vllm:generation_tokens":
+        if metric.name == name:
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     total, seen = total + sample.value, True
