@@ -388,7 +388,24 @@ def _route(endpoint: str) -> Callable[..., Awaitable[Response]]:
     return online_request
 
 
-_ERROR = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+# OpenAI's envelope, or vLLM's (its `code` is the HTTP status, a number), as the engine's serving layer answers.
+_ERROR_SCHEMA = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["message", "type", "param", "code"],
+            "properties": {
+                "message": {"type": "string"},
+                "type": {"type": "string"},
+                "param": {"anyOf": [{"type": "string"}, {"type": "null"}]},
+                "code": {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]},
+            },
+        }
+    },
+}
+_ERROR = {"content": {"application/json": {"schema": _ERROR_SCHEMA}}}
 _DOCUMENTED = {
     "requestBody": {
         "required": True,
