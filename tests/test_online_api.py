@@ -366,3 +366,13 @@ def _owner(key: str) -> str:
     from app.core.auth import owner_of
 
     return owner_of(key)
+
+
+def test_the_engine_page_shows_online_rates_beside_the_batches(online, double):
+    for _ in range(3):
+        assert online.post("/v1/chat/completions", json=CHAT).status_code == 200
+    page = online.get("/console/engine").text
+    online_row = page[page.index('id="online-rates"') :].split("</tr>")[0]
+    # Three answers in the last 10 s, each of 2 output tokens (their usage).
+    assert "<td>0.3</td><td>0.6</td>" in online_row.replace("\n", "").replace(" ", "")
+    assert "Batches (0 running)" in page
