@@ -5,6 +5,7 @@ in the engine (real sockets), per-key limits with OpenAI's headers, the openai S
 from __future__ import annotations
 
 import json
+import logging
 import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,7 +49,8 @@ def online(client: TestClient, double: OnlineDouble) -> TestClient:
     return client
 
 
-def test_each_endpoint_answers_with_the_engines_json(online, double):
+def test_each_endpoint_answers_with_the_engines_json(online, double, caplog):
+    caplog.set_level(logging.INFO, "vbatch.access")
     for endpoint in ONLINE_ENDPOINTS:
         response = online.post(endpoint, json=BODIES[endpoint], headers={"x-request-id": f"req-{endpoint[4:7]}"})
         assert response.status_code == 200, response.text
@@ -57,6 +59,8 @@ def test_each_endpoint_answers_with_the_engines_json(online, double):
         assert double.calls[-1] == (endpoint, BODIES[endpoint])
     assert not any(name.startswith("x-ratelimit") for name in response.headers)  # no limits set
     assert len(double.calls) == len(ONLINE_ENDPOINTS)
+    logged = [(r.path, r.status, r.request_id) for r in caplog.records if r.name == "vbatch.access"]  # type: ignore[attr-defined]
+    assert ("/v1/responses", 200, "req-res") in logged
 
 
 def test_a_stream_passes_through_byte_for_byte_as_event_stream(online, double):
@@ -309,6 +313,24 @@ def test_tokens_a_minute_are_charged_the_estimate_then_the_real_usage(limited, d
     # 92 left, 102 asked: 10 tokens come back in 0.6 s at 1,000 a minute.
     assert over.headers["retry-after-ms"] == "600" and over.headers["retry-after"] == "1"
     assert len(double.calls) == 2
+
+
+def test_a_stream_is_charged_its_estimate_then_the_usage_it_reports(limited, double):
+    double.events = [
+        chunk("", role="assistant"),
+        chunk("Hi"),
+        usage_chunk({"prompt_tokens": 5, "completion_tokens": 3}),
+        DONE,
+    ]
+    bob = _as(limited, "sk-bob")
+    with bob.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+        assert response.headers["x-ratelimit-remaining-tokens"] == "742"  # 2 for the prompt, 256 for no max_tokens
+        b"".join(response.iter_bytes())
+    # 8 for the stream, then 2 charged and 7 used by this one.
+    assert (
+        bob.post("/v1/chat/completions", json={**CHAT, "max_tokens": 0}).headers["x-ratelimit-remaining-tokens"]
+        == "985"
+    )
 
 
 def test_streams_and_refusals_carry_the_headers_and_a_key_out_of_requests_still_runs_batches(limited, double):
