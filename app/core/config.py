@@ -90,6 +90,11 @@ class Settings(BaseSettings):
     # sees only from a proxy it trusts with X-Forwarded-Proto (uvicorn's FORWARDED_ALLOW_IPS, loopback by default);
     # "true" for a proxy it does not trust.
     cookie_secure: Literal["auto", "true", "false"] = "auto"
+    # Online requests (`/v1/chat/completions` ...) each key may make a minute, and tokens it may use a minute (the
+    # prompt estimated, plus the most it may generate), in each process that answers them; 0: no limit. A key's own
+    # `live_rpm=` / `live_tpm=` on its line of the keys file take their place. Batches are not limited by these.
+    live_rpm: int = 0
+    live_tpm: int = 0
     # Webhooks (OpenAI's batch events, Standard Webhooks signatures): the service's endpoint; keys may have their
     # own in the keys file (`key url secret` on its line).
     webhook_url: str | None = None
@@ -125,6 +130,13 @@ class Settings(BaseSettings):
     def _windows_parse(cls, value: str) -> str:
         for window in value.split(","):
             window_seconds(window.strip())
+        return value
+
+    @field_validator("live_rpm", "live_tpm")
+    @classmethod
+    def _a_limit(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("a limit a minute is 0 (none) or more")
         return value
 
     @cached_property
