@@ -90,8 +90,9 @@ class WorkersView:
 
     async def stop(self) -> None:
         self._db = None
-        if self._forwarder is not None:
-            await self._forwarder.aclose()
+        forwarder, self._forwarder = self._forwarder, None
+        if forwarder is not None:
+            await forwarder.aclose()
 
     def workers(self) -> list[WorkerState]:
         with self._lock:
