@@ -28,7 +28,7 @@ from app.api.errors import UNEXPECTED, document_errors, install_error_handlers, 
 from app.api.guard import HostRule, RequestGuard
 from app.console import routes as console_routes
 from app.console.sessions import SessionSigner, load_secret
-from app.core import clock
+from app.core import calls, clock
 from app.core.auth import KeyRing, key_settings
 from app.core.config import Settings
 from app.core.db import Claim, claim_database, make_engine
@@ -166,8 +166,10 @@ def _include_routes(app: FastAPI, role: Role) -> None:
 
 class RequestLog:
     """One access record per request, under the client's `x-request-id` when it sent a sane one (echoed back), else
-    a new one. An exception no handler took is logged here, once with its traceback, and answered with the 500
-    envelope: it goes no further, where Starlette and uvicorn would log it again (and this record would be lost)."""
+    a new one; meanwhile the id and the caller's key are the request's `app.core.calls.Call`, which `vbatch api`
+    passes on to the worker it forwards an online request to. An exception no handler took is logged here, once
+    with its traceback, and answered with the 500 envelope: it goes no further, where Starlette and uvicorn would
+    log it again (and this record would be lost)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -190,7 +192,8 @@ class RequestLog:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            with calls.answering(calls.Call(request_id, request.headers.get("authorization"))):
+                await self.app(scope, receive, send_with_id)
         except Exception as exc:
             log_unexpected(request.method, request.url.path, exc)
             if status is None:
