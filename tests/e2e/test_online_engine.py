@@ -14,6 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.domain.online import OnlineAnswer
+from app.engine import online
 from app.engine.service import EngineService
 from app.launch import service_app
 from tests.e2e.conftest import MODEL, STARTUP_SECONDS, engine_flags
@@ -98,7 +99,10 @@ def test_a_responses_stream_is_written_as_vllm_serve_writes_it(service):
     assert last["type"] == "response.completed" and last["response"]["status"] in ("completed", "incomplete")
 
 
-def test_a_stream_closed_after_its_first_chunk_leaves_nothing_running(service):
+@pytest.mark.parametrize("closed_when", ["after its first chunk", "with the engine side waiting for room"])
+def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
+    """Closed while the engine side waits for the next token (its cancel reaches vLLM's `generate`), or while it
+    waits for the reader to make room (the stream is closed at a chunk: vLLM's generator is finalised)."""
     length = 1500  # tokens: half a minute of this CPU's time, so only an abort ends it sooner
 
     async def scenario() -> int:
@@ -110,6 +114,8 @@ def test_a_stream_closed_after_its_first_chunk_leaves_nothing_running(service):
         first = await anext(answer.events)
         assert first.startswith(b"data: ")
         await until(lambda: running_requests(service) >= 1)
+        if closed_when != "after its first chunk":
+            await until(lambda: (service.live.generated_tokens() or 0) - before > online.STREAM_ROOM + 16)
         await answer.events.aclose()  # type: ignore[attr-defined]
         await until(lambda: running_requests(service) == 0)
         return (service.live.generated_tokens() or 0) - before
