@@ -71,10 +71,16 @@ def run_batch_parser(prog: str) -> argparse.ArgumentParser:
     return _policy_left_unset(_run_batch_module().make_arg_parser(parser))
 
 
+class _DefaultPolicy:
+    """`--scheduling-policy` when not given (on the command line or in a `--config` file): not a string, which
+    argparse would parse like a given one, so `apply_batch_defaults` can tell it from a user's `fcfs`."""
+
+    def __str__(self) -> str:  # in --help
+        return f"{PRIORITY_POLICY}, vbatch's; `vllm serve`'s is fcfs"
+
+
 def _policy_left_unset(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """`--scheduling-policy` parses to None unless given (on the command line or in a `--config` file), so that
-    `apply_batch_defaults` can tell vLLM's default from a user's `fcfs`."""
-    parser.set_defaults(scheduling_policy=None)
+    parser.set_defaults(scheduling_policy=_DefaultPolicy())
     return parser
 
 
@@ -481,5 +487,5 @@ def apply_batch_defaults(args: argparse.Namespace) -> None:
         args.enable_log_requests = False
     # Online requests are scheduled (and preempt) ahead of batch lines by their priority (`app.domain.online`);
     # under `fcfs` vLLM ignores priorities, and the engine then takes requests in the order they come.
-    if hasattr(args, "scheduling_policy") and args.scheduling_policy is None:
+    if isinstance(getattr(args, "scheduling_policy", None), _DefaultPolicy):
         args.scheduling_policy = PRIORITY_POLICY

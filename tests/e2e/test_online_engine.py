@@ -61,6 +61,18 @@ def test_the_engine_schedules_online_requests_ahead_of_batch_lines(service):
     assert service.engine_config["scheduling_policy"] == "priority"
 
 
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [([], "priority"), (["--scheduling-policy", "fcfs"], "fcfs"), (["--scheduling_policy=priority"], "priority")],
+)
+def test_a_scheduling_policy_the_user_names_wins(flags, policy):
+    from app.engine.vllm_adapter import apply_batch_defaults, serve_parser
+
+    args = serve_parser("vbatch serve").parse_args(flags)
+    apply_batch_defaults(args)
+    assert args.scheduling_policy == policy
+
+
 def test_a_streamed_chat_answer_is_vllms_server_sent_events(service):
     async def scenario() -> tuple[OnlineAnswer, list[bytes]]:
         answer = await service.respond(CHAT, chat("Count to five.", stream=True, max_tokens=16))
