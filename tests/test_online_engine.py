@@ -17,6 +17,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.core.config import Settings
+from app.domain.errors import InvalidRequest
 from app.domain.online import BATCH_PRIORITY, EngineUnavailable, OnlineAnswer
 from app.engine import online
 from app.engine.service import EngineService
@@ -77,6 +78,8 @@ def test_a_json_answer_comes_back_on_the_callers_loop_with_the_tiers_priority(se
         refused = on_a_loop(lambda: service.respond(CHAT, chat(max_tokens=-1)))
         assert refused.status == 400 and refused.body["error"]["param"] == "max_tokens"
         on_a_loop(lambda: service.respond(CHAT, chat("flex", service_tier="flex")))
+        with pytest.raises(InvalidRequest):  # refused on the caller's loop: the engine never sees it
+            on_a_loop(lambda: service.respond(CHAT, chat(service_tier="urgent")))
     sent = engine.executor.bodies
     assert [body["priority"] for body in sent] == [-1, 0, BATCH_PRIORITY]
     assert all("service_tier" not in body for body in sent)
