@@ -31,6 +31,9 @@ class Context:
     # Batch lines in flight at once, fewer while online requests need room (`app.engine.window`).
     window: BatchWindow
     metrics: Metrics
+    # The engine schedules by priority (`--scheduling-policy priority`, vbatch's default): batch lines then run
+    # behind online requests (`app.domain.online.as_batch_line`); under `fcfs` they keep the priority they have.
+    batch_priority: bool = True
     # A batch of more lines than this is cut into shards other workers may claim (0: never; `app.engine.shards`).
     shard_lines: int = 0
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.

@@ -16,7 +16,7 @@ from typing import Literal
 
 from app.domain.results import Body
 from app.engine.execution import Executor
-from app.engine.serving import EngineDead, Serving
+from app.engine.serving import EngineDead, Serving, Stream
 
 log = logging.getLogger("vbatch.engine")
 
@@ -61,6 +61,14 @@ class LiveEngine:
         if self._serving is None or self.state != "ok":
             raise EngineDead("the engine is not running")
         return await self._serving.execute(endpoint, body, rank)
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        """An online request (`app.domain.online`): beside the batch lines, and never held back by isolated work,
+        which exists to find a batch line that kills the engine."""
+        serving = self._serving
+        if serving is None or self.state != "ok":
+            raise EngineDead("the engine is not running")
+        return await serving.respond(endpoint, body)
 
     def generated_tokens(self) -> int | None:
         serving = self._serving

@@ -32,9 +32,10 @@ from app.engine.context import Context
 from app.engine.holder import LeaseHolder
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
+from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineFactory, Serving, engine_wave
+from app.engine.serving import EngineFactory, Serving, engine_wave, schedules_by_priority
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
@@ -56,6 +57,10 @@ class EngineService:
         self._ctx: Context | None = None
         self.runs = Runs()
         self._holder = LeaseHolder(self.runs)
+        # The batch window (`Context.window`, once there is one) hears of online traffic.
+        self._online = OnlineRequests(
+            live=self.live, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
+        )
         self._scheduler = Scheduler(
             live=self.live, runs=self.runs, holder=self._holder, bridge=self._bridge, worker_state=self.worker_state
         )
@@ -130,7 +135,8 @@ class EngineService:
         self._bridge.wake()
 
     async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
-        raise NotImplementedError("online requests: issue 29, in progress")
+        """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
+        return await self._online.respond(endpoint, body)
 
     async def start(
         self,
@@ -158,10 +164,12 @@ class EngineService:
 
     async def _lifetime(self, db: Engine, storage: Storage, settings: Settings) -> None:
         self._bridge.opened()
+        self._online.opened()
         main = asyncio.create_task(self._main(db, storage, settings))
         beat = asyncio.create_task(self._scheduler.beat(db))
         listen = asyncio.create_task(self._scheduler.listen(db))
         await self._bridge.stop_requested()
+        self._online.close()
         running = self.runs.tasks()
         for task in [*running, main, beat, listen]:
             task.cancel()
@@ -206,6 +214,7 @@ class EngineService:
             metrics=self.metrics,
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,
+            batch_priority=schedules_by_priority(serving),
         )
         self._ctx = ctx
         logs.ensure_enabled()

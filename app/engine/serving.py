@@ -72,6 +72,15 @@ class Serving(Protocol):
         ...
 
 
+# vLLM's `--scheduling-policy` under which request priorities order the engine's queue (vbatch's default).
+PRIORITY_POLICY = "priority"
+
+
+def schedules_by_priority(serving: Serving) -> bool:
+    """Whether the engine orders requests by priority (an engine that does not say is taken to)."""
+    return serving.engine_config.get("scheduling_policy", PRIORITY_POLICY) == PRIORITY_POLICY
+
+
 def engine_wave(serving: Serving) -> int:
     """Requests the engine runs at once: max_num_seqs on each data-parallel rank. The in-flight window is sized
     from it, so that extra ranks are fed as fully as the first."""
