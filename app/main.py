@@ -69,9 +69,7 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
     )
     app.state.settings = settings
     app.state.keys = KeyRing(settings.read_api_keys())
-    app.state.online_limits = RateLimiter.from_settings(
-        rpm=settings.live_rpm, tpm=settings.live_tpm, key_settings=key_settings(settings.api_keys_file)
-    )
+    app.state.online_limits = _online_limits(settings, role)
     app.state.engine = engine
     app.state.metrics = Metrics()
     app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
@@ -80,6 +78,15 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
     document_errors(app)
     _include_routes(app, role)
     return app
+
+
+def _online_limits(settings: Settings, role: Role) -> RateLimiter:
+    """Charged where a request enters: `vbatch serve`, or each `vbatch api` replica. A worker answers what a replica
+    forwards, already charged there, so it charges nothing again (its port is the cluster's inside, not a front)."""
+    own = key_settings(settings.api_keys_file)  # read in every role: a bad line stops any of them at start
+    if role == Role.WORKER:
+        return RateLimiter.from_settings(rpm=0, tpm=0, key_settings={})
+    return RateLimiter.from_settings(rpm=settings.live_rpm, tpm=settings.live_tpm, key_settings=own)
 
 
 def _lifespan(settings: Settings, engine: EngineView, role: Role) -> Callable[[FastAPI], AbstractAsyncContextManager]:

@@ -474,11 +474,11 @@ def fake_worker_app(argv: list[str]) -> tuple[Any, Any]:
     """`vbatch worker`'s app over the fake engine, settings from `VBATCH_*` (`argv` unused): what a Ray replica
     (`app.cluster.Replica`) runs in tests."""
     from app.core.config import Settings
-    from app.engine.advertised import AdvertisedService
+    from app.engine.service import EngineService
     from app.main import Role, create_app
 
     settings = Settings()
-    return create_app(settings, AdvertisedService(FakeEngine()), Role.WORKER), settings
+    return create_app(settings, EngineService(FakeEngine()), Role.WORKER), settings
 
 
 def serve_fake_engine(argv: list[str] | None = None) -> None:
@@ -491,7 +491,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
 
     from app.core import logs
     from app.core.config import Settings
-    from app.engine.advertised import AdvertisedService
+    from app.engine.service import EngineService
     from app.engine.view import EngineView, WorkersView
     from app.launch import server_options
     from app.main import Role, create_app
@@ -503,7 +503,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = Settings(data_dir=args.data_dir, port=args.port)
     logs.configure(settings.log_format)
-    engine: EngineView = WorkersView() if args.role == Role.API else AdvertisedService(FakeEngine())
+    engine: EngineView = WorkersView() if args.role == Role.API else EngineService(FakeEngine())
     uvicorn.run(create_app(settings, engine, args.role), **server_options(settings))
 
 

@@ -27,7 +27,6 @@ from app.core.migrate import upgrade_to_head
 from app.domain import workers
 from app.domain.online import ONLINE_ENDPOINTS, EngineUnavailable, OnlineAnswer
 from app.domain.workers import WorkerState
-from app.engine.advertised import AdvertisedService
 from app.engine.service import EngineService
 from app.engine.view import WorkersView
 from app.main import create_app
@@ -364,36 +363,6 @@ def test_a_vbatch_worker_says_where_it_answers_and_gets_the_callers_key_and_requ
         return any(line.get("request_id") == request_id and line.get("path") == CHAT for line in lines)
 
     wait_for(lambda: logged("req_right_key") and logged("req_wrong_key"))  # under the caller's request ids
-
-
-def test_a_worker_counts_its_online_requests_until_each_answer_ends(monkeypatch):
-    async def events() -> AsyncIterator[bytes]:
-        yield EVENTS[0]
-        yield EVENTS[-1]
-
-    async def engine_answer(self, endpoint: str, body: dict) -> OnlineAnswer:
-        return OnlineAnswer(200, events=events()) if body.get("stream") else OnlineAnswer(200, body={"ok": True})
-
-    monkeypatch.setattr(EngineService, "respond", engine_answer)
-    service = AdvertisedService(FakeEngine())
-    service.advertise("http://10.0.0.7:8001")
-
-    async def scenario() -> list[int]:
-        counts = []
-        await service.respond(CHAT, {})
-        counts.append(service.worker_state().online_in_flight)
-        read = await service.respond(CHAT, {"stream": True})
-        closed = await service.respond(CHAT, {"stream": True})
-        counts.append(service.worker_state().online_in_flight)
-        assert read.events is not None and closed.events is not None
-        assert [chunk async for chunk in read.events] == [EVENTS[0], EVENTS[-1]]
-        counts.append(service.worker_state().online_in_flight)
-        await closed.events.aclose()  # type: ignore[attr-defined]  # closed before it began
-        counts.append(service.worker_state().online_in_flight)
-        return counts
-
-    assert asyncio.run(scenario()) == [0, 2, 1, 0]
-    assert service.worker_state().url == "http://10.0.0.7:8001"
 
 
 def test_each_request_is_its_own_call_its_id_and_key_as_the_caller_sent_them(settings):

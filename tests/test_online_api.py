@@ -295,6 +295,19 @@ def test_requests_a_minute_count_down_then_429_and_other_keys_go_on(limited):
     assert carol.status_code == 200 and carol.headers["x-ratelimit-remaining-requests"] == "99"
 
 
+def test_a_worker_charges_no_limit_again_for_what_a_replica_forwarded(settings, tmp_path, double):
+    keys = tmp_path / "keys"
+    keys.write_text("sk-alice live_rpm=1\n")
+    settings.api_keys_file = keys
+    worker_engine = EngineService(FakeEngine())
+    worker_engine.respond = double.respond  # type: ignore[method-assign]
+    with TestClient(create_app(settings, worker_engine, Role.WORKER)) as worker:
+        wait_for(lambda: _as(worker, "sk-alice").get("/v1/models").json()["data"])
+        answers = [_as(worker, "sk-alice").post("/v1/chat/completions", json=CHAT) for _ in range(3)]
+    assert [answer.status_code for answer in answers] == [200, 200, 200]
+    assert not any(name.startswith("x-ratelimit") for name in answers[-1].headers)
+
+
 def test_tokens_a_minute_are_charged_the_estimate_then_the_real_usage(limited, double):
     bob = _as(limited, "sk-bob")
     # "hi" is a token; 300 the most it may generate; the answer's usage says 7 in all.

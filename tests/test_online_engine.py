@@ -285,3 +285,27 @@ def test_the_batch_window_hears_of_online_traffic_on_the_engine_loop(settings):
 
 async def read_all_of(answer: Awaitable[OnlineAnswer]) -> list[bytes]:
     return await read_all(await answer)
+
+
+def test_a_workers_beat_counts_the_online_requests_its_engine_is_answering(settings):
+    """What `vbatch api` picks the least busy worker by (`app.engine.forward`)."""
+    engine = FakeEngine()
+    engine.executor.hold_streams = True  # each stream stops after its first chunk
+    with running(settings, engine) as (service, _):
+        service.advertise("http://10.0.0.7:8001")
+
+        async def scenario() -> list[int]:
+            counts = [service.worker_state().online_in_flight]
+            held = [await service.respond(CHAT, chat(f"held {n}", stream=True)) for n in range(2)]
+            counts.append(service.worker_state().online_in_flight)
+            await service.respond(CHAT, chat("answered at once"))
+            await until(lambda: service.worker_state().online_in_flight == 2)  # its task ends just after its answer
+            await held[0].events.aclose()  # type: ignore[union-attr]
+            await until(lambda: service.worker_state().online_in_flight == 1)
+            engine.executor.open_gate(engine.executor.stream_gate)
+            assert (await read_all(held[1]))[-1] == b"data: [DONE]\n\n"
+            await until(lambda: service.worker_state().online_in_flight == 0)
+            return counts
+
+        assert on_a_loop(scenario) == [0, 2]
+        assert service.worker_state().url == "http://10.0.0.7:8001"

@@ -154,6 +154,12 @@ class OnlineRequests:
         self._ids = itertools.count()
         self._closed = False
 
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine is still answering (a stream until its last event is made), from any thread: what a
+        worker's beat tells `vbatch api` to pick the least busy worker by."""
+        return len(self._open)
+
     def opened(self) -> None:
         """On the engine loop, as the service's lifetime begins."""
         with self._lock:

@@ -51,6 +51,7 @@ class EngineService:
         self.served_models: list[str] = []
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
+        self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
         self.metrics = Metrics()
         self._stack = AsyncExitStack()
         self._bridge = EngineThread()
@@ -108,7 +109,14 @@ class EngineService:
             engine_config=dict(self.engine_config),
             scheduler_error=self.scheduler_error,
             engine_deaths=self.live.deaths,
+            url=self.url,
+            online_in_flight=self._online.in_flight,
         )
+
+    def advertise(self, url: str) -> None:
+        """Where this service answers online requests forwarded by `vbatch api`, when that is known only once its
+        server is bound (a Ray replica's free port); else `start` takes it from the settings."""
+        self.url = url
 
     def live_stats(self, batch_id: str) -> RunStats | None:
         """A running batch's live numbers, from any thread; None when it is not running here."""
@@ -150,6 +158,7 @@ class EngineService:
         """Returns at once: the engine starts, and batches run, on the engine thread. It holds at most `hold_at_most`
         batches at once (None: every active batch, as `vbatch serve` alone does)."""
         self._holder.hold_at_most = hold_at_most
+        self.url = self.url or settings.advertised_url
         self.metrics = metrics or Metrics()
         self._bridge.start(self._lifetime(db, storage, settings))
 
