@@ -16,7 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from app.testing import free_port
-from bench.online import Deadline
+from bench.online import BatchPusher, Deadline
 from bench.online_load import (
     Answer,
     SseTimer,
@@ -30,7 +30,7 @@ from bench.online_load import (
     summarize,
     tokens_between,
 )
-from tests.helpers import serving
+from tests.helpers import serving, wait_for
 
 
 def chunk(delta: dict | None = None, usage: dict | None = None, finish: str | None = None) -> dict:
@@ -206,3 +206,13 @@ def test_the_batch_client_sends_each_line_once_and_says_when_the_file_ran_out():
         pushed = asyncio.run(_push(f"http://127.0.0.1:{port}/v1/chat/completions", bodies, 3, threading.Event()))
     assert sorted(tokens for _, tokens in pushed["finished"]) == list(range(1, 8))
     assert pushed["ran_out"] is True and pushed["failures"] == {}
+
+
+def test_the_batch_client_runs_in_a_process_of_its_own_and_hands_back_what_it_saw(tmp_path):
+    tickets = tmp_path / "tickets.jsonl"
+    tickets.write_text("".join(json.dumps({"body": {"max_tokens": n}}) + "\n" for n in range(1, 6)))
+    with serving(sse_app(), free_port()) as port:
+        pusher = BatchPusher(f"http://127.0.0.1:{port}/v1/chat/completions", tickets, 2, tmp_path / "pushed.json")
+        wait_for(lambda: not pusher.process.is_alive(), timeout=60)  # it ends by itself once the file has run out
+        pushed = pusher.finish()
+    assert sorted(tokens for _, tokens in pushed["finished"]) == [1, 2, 3, 4, 5] and pushed["ran_out"] is True
