@@ -64,6 +64,7 @@ SERVED = compare.SERVED
 SAMPLING = {key: value for key, value in compare.SAMPLING.items() if key != "max_tokens"}
 CHAT = "/v1/chat/completions"
 GENERATED = "vllm:generation_tokens_total"
+SAMPLED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vbatch_batch_window")
 # What the plan printed at the start expects on the device: an engine start with torch.compile's cache cold (the
 # first) and warm, a warm-up, the online requests still running after a window, and a stop.
 FIRST_START_S, LATER_START_S, WARM_S, TAIL_S, STOP_S = 150, 90, 10, 10, 10
@@ -114,6 +115,7 @@ class Window:
     after: str
     answers: list[Answer] = field(default_factory=list)
     progress: tuple[dict, dict] | None = None
+    samples: list[list] = field(default_factory=list)
 
     @property
     def seconds(self) -> float:
@@ -131,6 +133,7 @@ class Window:
             "online_tokens_in_window": online,
             "output_tokens_per_s": round((engine - online) / self.seconds, 1),
             "preemptions": int(self.delta("vllm:num_preemptions_total")),
+            "samples": self.samples,
         }
 
     def online(self) -> dict:
@@ -152,11 +155,23 @@ async def _window(base_url, seconds, bodies, schedule, tail, progress_url) -> Wi
         before, progress_before = await read()
         start = time.monotonic()
         online = asyncio.create_task(open_loop(f"{base_url}{CHAT}", bodies, schedule, start, start + seconds + tail))
+        samples: list[list] = []
+        sampler = asyncio.create_task(_sample(http, f"{base_url}/metrics", start, samples))
         await asyncio.sleep(max(0.0, start + seconds - time.monotonic()))  # the window's length is the measurement
+        sampler.cancel()
         after, progress_after = await read()
         end = time.monotonic()
         progress = (progress_before, progress_after) if progress_url else None
-        return Window(start, end, before, after, await online, progress)
+        return Window(start, end, before, after, await online, progress, samples)
+
+
+async def _sample(http: httpx.AsyncClient, url: str, start: float, samples: list[list]) -> None:
+    """Every second: [s into the window, requests running, waiting, vbatch's batch window (None on vllm serve)]."""
+    while True:
+        text = (await http.get(url)).text
+        values = (series_total(text, name) for name in SAMPLED)
+        samples.append([round(time.monotonic() - start, 2), *(None if v is None else int(v) for v in values)])
+        await asyncio.sleep(1.0)
 
 
 class VllmServe:
