@@ -17,6 +17,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -47,23 +48,32 @@ def worker_app(argv: list[str]) -> tuple[FastAPI, Settings]:
 
 
 class Replica:
-    """One `vbatch worker` in this actor's process; its HTTP port (/health, /metrics) is any free one."""
+    """One `vbatch worker` in this actor's process; its HTTP port (/health, /metrics, online requests) is any free
+    one, bound before the worker starts, so that its beats say from the first where it answers: the host it listens
+    on, or, listening on every interface, the address Ray knows its node by (`VBATCH_ADVERTISE_URL`, one value for
+    every replica, is not used)."""
 
     def __init__(self, build: AppBuilder, argv: list[str]) -> None:
+        import ray
         import uvicorn
 
         from app.core import logs
+        from app.core.config import base_url
         from app.core.orphans import no_orphans
         from app.launch import server_options
 
         logs.configure(Settings().log_format)
         self.app, settings = build(argv)
-        options = {**server_options(settings), "port": 0}
-        self.server = uvicorn.Server(uvicorn.Config(self.app, **options))
+        listening = bound_socket(settings.host)
+        port = listening.getsockname()[1]
+        self.app.state.engine.advertise(base_url(settings.host, port, wildcard_name=ray.util.get_node_ip_address()))
+        self.server = uvicorn.Server(uvicorn.Config(self.app, **{**server_options(settings), "port": port}))
         # Ray kills a stopped or lost actor's process outright: the reaper ends the engine it started.
         self.ending = ExitStack()
         self.ending.enter_context(no_orphans())
-        self.thread = threading.Thread(target=self.server.run, name="vbatch-worker", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [listening]}, name="vbatch-worker", daemon=True
+        )
         self.thread.start()
 
     def holder(self) -> str:
@@ -110,6 +120,12 @@ class Pool:
 
     def replica(self, number: int) -> Any:
         return self.replicas[number]
+
+
+def bound_socket(host: str) -> socket.socket:
+    """A listening TCP socket on a free port of `host`."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, 0), family=family)
 
 
 def replica_env(env: dict[str, str], number: int) -> dict[str, str]:

@@ -42,14 +42,14 @@ def server_options(settings: Settings) -> dict:
 
 def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings]:
     """The app of `vbatch serve` or `vbatch worker` with these arguments, and its settings."""
-    from app.engine.service import EngineService
+    from app.engine.advertised import AdvertisedService
     from app.main import Role, create_app
 
     args = parse_service_args(argv, role)
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     prepare_engine_args(argv, args, settings)
-    return create_app(settings, EngineService(engine_factory_from(args)), Role(role)), settings
+    return create_app(settings, AdvertisedService(engine_factory_from(args)), Role(role)), settings
 
 
 def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:

@@ -22,13 +22,14 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app import __version__
 from app.api import batches as batch_routes
 from app.api import files as file_routes
+from app.api import online as online_routes
 from app.api import system as system_routes
 from app.api.errors import UNEXPECTED, document_errors, install_error_handlers, log_unexpected, respond
 from app.api.guard import HostRule, RequestGuard
 from app.console import routes as console_routes
 from app.console.sessions import SessionSigner, load_secret
-from app.core import clock
-from app.core.auth import KeyRing
+from app.core import calls, clock
+from app.core.auth import KeyRing, key_settings
 from app.core.config import Settings
 from app.core.db import Claim, claim_database, make_engine
 from app.core.disk import DiskReserve
@@ -37,6 +38,7 @@ from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
 from app.core.stores import open_storage
 from app.domain import batches, retention
+from app.domain.ratelimits import RateLimiter
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
 from app.engine.metrics import Metrics, State
 from app.engine.view import EngineView
@@ -67,6 +69,9 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
     )
     app.state.settings = settings
     app.state.keys = KeyRing(settings.read_api_keys())
+    app.state.online_limits = RateLimiter.from_settings(
+        rpm=settings.live_rpm, tpm=settings.live_tpm, key_settings=key_settings(settings.api_keys_file)
+    )
     app.state.engine = engine
     app.state.metrics = Metrics()
     app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
@@ -147,19 +152,24 @@ def _add_middleware(app: FastAPI, settings: Settings) -> None:
 
 
 def _include_routes(app: FastAPI, role: Role) -> None:
+    # Every role answers online requests: with its own engine (serve, worker), or a worker's (api).
     if role == Role.WORKER:
+        app.include_router(online_routes.router)
         app.include_router(system_routes.router)
         return
     app.include_router(file_routes.router)
     app.include_router(batch_routes.router)
+    app.include_router(online_routes.router)
     app.include_router(system_routes.router)
     app.include_router(console_routes.router)
 
 
 class RequestLog:
     """One access record per request, under the client's `x-request-id` when it sent a sane one (echoed back), else
-    a new one. An exception no handler took is logged here, once with its traceback, and answered with the 500
-    envelope: it goes no further, where Starlette and uvicorn would log it again (and this record would be lost)."""
+    a new one; meanwhile the id and the caller's key are the request's `app.core.calls.Call`, which `vbatch api`
+    passes on to the worker it forwards an online request to. An exception no handler took is logged here, once
+    with its traceback, and answered with the 500 envelope: it goes no further, where Starlette and uvicorn would
+    log it again (and this record would be lost)."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -182,7 +192,8 @@ class RequestLog:
             await send(message)
 
         try:
-            await self.app(scope, receive, send_with_id)
+            with calls.answering(calls.Call(request_id, request.headers.get("authorization"))):
+                await self.app(scope, receive, send_with_id)
         except Exception as exc:
             log_unexpected(request.method, request.url.path, exc)
             if status is None:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -31,11 +31,14 @@ FAKE_MODEL = "fake-model"
 
 class FakeExecutor:
     """Answers like a tiny chat model. `seed: 1` kills it, as a seeded request kills the CPU engine (FACTS.md);
-    `stall: true` is never answered, as under an engine core that died without a word."""
+    `stall: true` is never answered, as under an engine core that died without a word. An online request that asks
+    `stream` gets vLLM's chunks (`stream`); with `stream_hold: true` its stream stops after the first chunk, for
+    ever, and with `stream_dies: true` the engine dies there."""
 
     def __init__(self) -> None:
         self.calls = 0
         self.generated = 0  # completion tokens answered so far
+        self.preemptions = 0  # what the engine's preemption counter says: the fake preempts nothing unless told
         self.bodies: list[dict] = []
         self.ranks: list[int | None] = []  # the data-parallel rank each call was pinned to
         # Calls after the first `answer_first` wait until the test sets `gate` (forever if it never does).
@@ -45,15 +48,73 @@ class FakeExecutor:
         self.before_answer: Callable[[dict], None] | None = None
         # Each answer takes this long (a process of its own has no other way to be slow).
         self.seconds_per_answer = float(os.environ.get("VBATCH_FAKE_SECONDS_PER_ANSWER", "0"))
+        # While `hold_streams` is set, a stream stops after its first chunk until the test sets `stream_gate`.
+        self.hold_streams = False
+        self.stream_gate = asyncio.Event()
+        # The bodies of requests cancelled, or streams closed, before their end: what vLLM would have aborted.
+        self.aborted: list[dict] = []
+        self.streamed_chunks = 0  # chunks the streams have yielded so far
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def open_gate(self, gate: asyncio.Event | None = None) -> None:
+        """Set `gate` (the answers' gate unless named) from any thread: the fake's loop is woken, not just flagged."""
+        event = self.gate if gate is None else gate
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            event.set()
+        else:
+            loop.call_soon_threadsafe(event.set)
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
+        self._loop = asyncio.get_running_loop()
+        if not body.get("stream") or endpoint not in _STREAMED:
+            return await self.execute(endpoint, body)
+        self.calls += 1
+        self.bodies.append(body)
+        if body.get("seed") == 1:
+            raise EngineDead("engine core died")
+        if body.get("max_tokens", 1) < 0:  # as vLLM: a streamed body it refuses is answered as JSON
+            return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
+        return self.stream(endpoint, body)
+
+    async def stream(self, endpoint: str, body: dict) -> Stream:
+        """The server-sent events `vllm serve` streams for "ok": the first chunk, then (unless held) the rest."""
+        ended = False
+        try:
+            chunks = _stream_chunks(endpoint, body)
+            self.streamed_chunks += 1
+            yield _event(next(chunks))
+            await self._hold(body)
+            for chunk in chunks:
+                self.streamed_chunks += 1
+                yield _event(chunk)
+            self.generated += 1
+            yield "data: [DONE]\n\n"
+            ended = True
+        finally:
+            if not ended:
+                self.aborted.append(body)
+                if isinstance(body.get("abort_marker"), str):  # seen from another process (front ends)
+                    Path(body["abort_marker"]).touch()
+
+    async def _hold(self, body: dict) -> None:
+        if body.get("stream_hold") is True:
+            await asyncio.Event().wait()
+        if body.get("stream_dies") is True:
+            raise EngineDead("engine core died mid-stream")
+        if self.hold_streams:
+            await self.stream_gate.wait()
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         self.calls += 1
         self.bodies.append(body)
         self.ranks.append(rank)
         if self.answer_first is not None and self.calls > self.answer_first:
+            self._loop = asyncio.get_running_loop()
             try:
                 await self.gate.wait()
             except asyncio.CancelledError:
+                self.aborted.append(body)
                 # As vLLM's handlers do: an aborted request comes back as an error body, not an exception.
                 return 400, _error_body("Client disconnected", "BadRequestError", None)
         if body.get("seed") == 1:
@@ -86,11 +147,49 @@ def _error_body(message: str, kind: str, param: str | None) -> dict:
     return {"error": {"message": message, "type": kind, "param": param, "code": 400}}
 
 
+_STREAMED = ("/v1/chat/completions", "/v1/completions")
+FAKE_TEXT = "ok"
+
+
+def _stream_chunks(endpoint: str, body: dict) -> Iterator[dict]:
+    """vLLM's chunks for the text "ok" (or `max_tokens` characters of "okok..."), a token a chunk: chat's begin
+    with the role; the last names the finish reason, followed by the usage when `stream_options.include_usage`
+    asks."""
+    chat = endpoint == "/v1/chat/completions"
+    limit = body.get("max_tokens")
+    text = FAKE_TEXT if not isinstance(limit, int) else (FAKE_TEXT * limit)[:limit]
+    head = {
+        "id": f"{'chatcmpl' if chat else 'cmpl'}-{zlib.crc32(json.dumps(body, sort_keys=True).encode())}",
+        "object": "chat.completion.chunk" if chat else "text_completion",
+        "created": 0,
+        "model": body.get("model", FAKE_MODEL),
+    }
+
+    def choice(text: str | None, finish_reason: str | None) -> dict:
+        if not chat:
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        delta = {} if text is None else {"content": text}
+        return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+
+    if chat:
+        yield {**head, "choices": [{**choice("", None), "delta": {"role": "assistant", "content": ""}}]}
+    for token in text:
+        yield {**head, "choices": [choice(token, None)]}
+    yield {**head, "choices": [choice(None, "stop" if text == FAKE_TEXT else "length")]}
+    if (body.get("stream_options") or {}).get("include_usage"):
+        usage = {"prompt_tokens": 5, "completion_tokens": len(text), "total_tokens": 5 + len(text)}
+        yield {**head, "choices": [], "usage": usage}
+
+
+def _event(chunk: dict) -> str:
+    return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
 class FakeServing:
     max_num_seqs = 4
     data_parallel_size = 1
 
-    def __init__(self, executor: FakeExecutor) -> None:
+    def __init__(self, executor: FakeExecutor, scheduling_policy: str = "priority") -> None:
         self.executor = executor
         self.served_models = [FAKE_MODEL]
         self.engine_config: dict[str, object] = {
@@ -98,6 +197,7 @@ class FakeServing:
             "max_num_seqs": self.max_num_seqs,
             "enable_prefix_caching": True,
             "data_parallel_size": self.data_parallel_size,
+            "scheduling_policy": scheduling_policy,
         }
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
@@ -116,17 +216,21 @@ class FakeServing:
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         return await self.executor.execute(endpoint, body, rank)
 
+    def preemptions(self) -> int | None:
+        return self.executor.preemptions
+
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
-        raise NotImplementedError("online requests: issue 29, in progress")
+        return await self.executor.respond(endpoint, body)
 
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
     test sees all calls across restarts."""
 
-    def __init__(self, *, data_parallel_size: int = 1) -> None:
+    def __init__(self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority") -> None:
         self.executor = FakeExecutor()
         self.data_parallel_size = data_parallel_size
+        self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
         self.fail_restarts = False
         self.serving: FakeServing | None = None
@@ -136,7 +240,7 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor)
+        self.serving = FakeServing(self.executor, self.scheduling_policy)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 
@@ -370,11 +474,11 @@ def fake_worker_app(argv: list[str]) -> tuple[Any, Any]:
     """`vbatch worker`'s app over the fake engine, settings from `VBATCH_*` (`argv` unused): what a Ray replica
     (`app.cluster.Replica`) runs in tests."""
     from app.core.config import Settings
-    from app.engine.service import EngineService
+    from app.engine.advertised import AdvertisedService
     from app.main import Role, create_app
 
     settings = Settings()
-    return create_app(settings, EngineService(FakeEngine()), Role.WORKER), settings
+    return create_app(settings, AdvertisedService(FakeEngine()), Role.WORKER), settings
 
 
 def serve_fake_engine(argv: list[str] | None = None) -> None:
@@ -387,7 +491,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
 
     from app.core import logs
     from app.core.config import Settings
-    from app.engine.service import EngineService
+    from app.engine.advertised import AdvertisedService
     from app.engine.view import EngineView, WorkersView
     from app.launch import server_options
     from app.main import Role, create_app
@@ -399,7 +503,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = Settings(data_dir=args.data_dir, port=args.port)
     logs.configure(settings.log_format)
-    engine: EngineView = WorkersView() if args.role == Role.API else EngineService(FakeEngine())
+    engine: EngineView = WorkersView() if args.role == Role.API else AdvertisedService(FakeEngine())
     uvicorn.run(create_app(settings, engine, args.role), **server_options(settings))
 
 

@@ -1,7 +1,7 @@
 """`vbatch cluster` on a local Ray cluster: `vbatch worker` replicas (fake engines) in Ray actors, over Postgres and
-an S3 store, with a `vbatch api` process in front. Batches run once each across the replicas; a replica killed
-mid-shard is restarted by Ray and the shard finishes once; scaling from two replicas to one mid-batch loses
-nothing."""
+an S3 store, with a `vbatch api` process in front. Batches run once each across the replicas; each replica says in
+its beats a URL of its own that answers (where `vbatch api` forwards online requests); a replica killed mid-shard is
+restarted by Ray and the shard finishes once; scaling from two replicas to one mid-batch loses nothing."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import ray
 from sqlalchemy import Engine
@@ -19,7 +20,7 @@ from sqlalchemy import Engine
 from app import cluster
 from app.core import failpoints
 from app.core.db import make_engine
-from app.domain import batches
+from app.domain import batches, workers
 from app.testing import VbatchServer, fake_worker_app, free_port
 from tests.helpers import wait_for
 from tests.test_roles import answers, answers_or_errors, ended, sdk, single_process_answers, submit
@@ -117,6 +118,21 @@ def test_two_replicas_run_ten_batches_once_each(ray_cluster, tmp_path):
     with ray_cluster.database() as db:
         ran_on = {batches.get(db=db, batch_id=batch_id, owner=None).lease_holder for batch_id in ids}
     assert ran_on == set(ray_cluster.holders())  # both replicas ran some
+
+
+def test_each_replica_says_in_its_beats_where_it_answers(ray_cluster):
+    holders = set(ray_cluster.holders())
+
+    def urls() -> dict[str, str | None] | None:
+        with ray_cluster.database() as db:
+            seen = {worker.holder: worker.url for worker in workers.seen(db=db, within_seconds=10)}
+        return seen if seen.keys() == holders else None  # each has begun to beat
+
+    seen = wait_for(urls)
+    for url in seen.values():  # each on a port of its own, from its first beat
+        assert url is not None
+        wait_for(lambda url=url: httpx.get(f"{url}/health", timeout=10).status_code == 200)
+    assert len(set(seen.values())) == 2
 
 
 def test_a_replica_killed_mid_shard_is_restarted_by_ray_and_the_shard_finishes_once(ray_cluster, tmp_path):

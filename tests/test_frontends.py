@@ -166,3 +166,94 @@ def test_an_exit_is_logged_with_its_code_a_group_stop_as_a_warning():
         (logging.WARNING, "front end 0 stopped by SIGTERM"),
         (logging.ERROR, "front end 1 stopped by SIGKILL"),
     ]
+
+
+# Online requests (`FrontendPool.respond`): JSON answers and streams from front-end processes.
+
+CHAT = "/v1/chat/completions"
+
+
+def online_body(**fields) -> dict:
+    return {"model": "fake-model", "messages": [{"role": "user", "content": "hi"}], **fields}
+
+
+async def until(condition, timeout: float = 30.0) -> None:
+    """Waits, letting the pool's loop run, for what a front-end process does to show."""
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.01)
+
+
+async def in_one_process(endpoint: str, body: dict):
+    """What the fake serving answers in this process: the bodies the front ends must pass on unchanged."""
+    async with FakeEngine()() as serving:
+        answer = await serving.respond(endpoint, body)
+        return answer if isinstance(answer, tuple) else [chunk async for chunk in answer]
+
+
+def test_online_answers_through_front_end_processes_are_those_of_one_process():
+    bodies = [
+        (CHAT, online_body()),
+        (CHAT, online_body(max_tokens=-1, stream=True)),  # refused before any stream: JSON
+        (CHAT, online_body(stream=True, stream_options={"include_usage": True})),
+        ("/v1/completions", {"model": "fake-model", "prompt": "hi", "stream": True, "max_tokens": 40}),
+    ]
+
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            for endpoint, body in bodies:
+                answer = await pool.respond(endpoint, body)
+                got = answer if isinstance(answer, tuple) else [chunk async for chunk in answer]
+                assert got == await in_one_process(endpoint, body)
+            assert all(not f.streams and not f.pending for f in pool._frontends)
+
+    asyncio.run(scenario())
+
+
+def test_a_stream_closed_or_abandoned_by_its_reader_is_aborted_in_the_front_end(tmp_path):
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            closed, abandoned = tmp_path / "closed", tmp_path / "abandoned"
+            stream = await pool.respond(CHAT, online_body(stream=True, stream_hold=True, abort_marker=str(closed)))
+            assert (await anext(stream)).startswith("data: ")
+            await stream.aclose()
+            other = await pool.respond(CHAT, online_body(stream=True, stream_hold=True, abort_marker=str(abandoned)))
+            await anext(other)
+            waiting = asyncio.ensure_future(anext(other))  # waits for a chunk that the hold never sends
+            await until(lambda: not waiting.done() and other._arrived._waiters)
+            waiting.cancel()
+            await until(lambda: closed.exists() and abandoned.exists())
+            assert all(not f.streams for f in pool._frontends)
+
+    asyncio.run(scenario())
+
+
+def test_a_front_end_killed_mid_stream_ends_the_stream_with_an_engine_death():
+    async def scenario() -> None:
+        async with fake_frontends(2) as pool:
+            stream = await pool.respond(CHAT, online_body(stream=True, stream_hold=True))
+            await anext(stream)
+            [serving] = [f for f in pool._frontends if f.streams]
+            os.kill(serving.process.pid, signal.SIGKILL)
+            with pytest.raises(EngineDead):
+                await asyncio.wait_for(anext(stream), 30)
+            answer = await pool.respond(CHAT, online_body())  # the other front end still answers
+            assert answer[0] == 200
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_reader_holds_a_stream_back_in_its_front_end():
+    length = 4 * frontends.STREAM_ROOM
+
+    async def scenario() -> list[str]:
+        async with fake_frontends(1) as pool:
+            stream = await pool.respond(CHAT, online_body(stream=True, max_tokens=length))
+            first = await anext(stream)
+            await until(lambda: len(stream._chunks) == frontends.STREAM_ROOM - 1)
+            assert await pool.is_alive()  # a round trip to the front end, which sends nothing more meanwhile
+            assert len(stream._chunks) == frontends.STREAM_ROOM - 1
+            return [first, *[chunk async for chunk in stream]]
+
+    chunks = asyncio.run(scenario())
+    assert chunks == asyncio.run(in_one_process(CHAT, online_body(stream=True, max_tokens=length)))

@@ -68,6 +68,16 @@ def test_the_pods_run_vbatch_roles_on_the_ports_their_probes_and_service_use():
     assert {"VBATCH_DATABASE_URL", "VBATCH_API_KEYS"} <= credentials["stringData"].keys()
 
 
+def test_the_worker_announces_its_pod_ip_and_port_to_the_api_replicas():
+    [container] = by_kind("Deployment")["vbatch-worker"]["spec"]["template"]["spec"]["containers"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    port = container["ports"][0]["containerPort"]
+    assert env["POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+    # Kubernetes expands $(NAME) from the variables listed before it.
+    assert list(env).index("POD_IP") < list(env).index("VBATCH_ADVERTISE_URL")
+    assert env["VBATCH_ADVERTISE_URL"]["value"] == f"http://$(POD_IP):{port}"
+
+
 def test_kubectl_renders_the_same_resources_where_it_is_installed():
     kubectl = shutil.which("kubectl")
     if kubectl is None:

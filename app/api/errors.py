@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -14,7 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
 from app.core.errors import DomainError, Unauthenticated
-from app.domain.errors import InvalidRequest, NotFound, TooManyActive
+from app.domain.errors import InvalidRequest, ModelNotServed, NotFound, TooManyActive
+from app.domain.online import EngineUnavailable
+from app.domain.ratelimits import RateLimited
 
 log = logging.getLogger("vbatch.api")
 
@@ -29,7 +33,7 @@ class APIError(Exception):
         *,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
@@ -49,8 +53,13 @@ def bad_request(message: str, *, param: str | None = None, code: str | None = No
 
 
 def from_domain(exc: DomainError) -> APIError:
-    if isinstance(exc, NotFound):
+    if isinstance(exc, NotFound | ModelNotServed):
         return APIError(404, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, RateLimited):
+        return _rate_limited(exc)
+    if isinstance(exc, EngineUnavailable):
+        headers = {"retry-after": str(ENGINE_RETRY_AFTER_SECONDS)}
+        return APIError(503, exc.message, type="server_error", param=exc.param, code=exc.code, headers=headers)
     if isinstance(exc, Unauthenticated):
         return APIError(401, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, TooManyActive):
@@ -60,6 +69,38 @@ def from_domain(exc: DomainError) -> APIError:
     if isinstance(exc, InvalidRequest):
         return bad_request(exc.message, param=exc.param, code=exc.code)
     return APIError(500, exc.message, type="server_error", param=exc.param, code=exc.code)
+
+
+def _rate_limited(exc: RateLimited) -> APIError:
+    """OpenAI's 429: of type "requests" or "tokens"; when to ask again in seconds and in milliseconds (the SDKs
+    wait that long before their retry), or that no retry helps (a request larger than the limit itself)."""
+    if exc.retry_after_seconds is None:
+        headers = {"x-should-retry": "false"}
+    else:
+        headers = {
+            "retry-after": str(max(1, math.ceil(exc.retry_after_seconds))),
+            "retry-after-ms": str(max(1, math.ceil(exc.retry_after_seconds * 1000))),
+        }
+    return APIError(429, exc.message, type=exc.kind, param=exc.param, code=exc.code, headers=headers)
+
+
+def engine_validation_error(error: dict) -> APIError:
+    """The 400 `vllm serve` answers for a body its request model cannot take (its validation handler): pydantic's
+    error in the message, type "Bad Request", code 400, the error's location as `param`. The online routes answer
+    bodies that are not a JSON object with it, as the engine's own serving layer answers everything else."""
+    return APIError(400, f"1 validation error:\n  {error}", type="Bad Request", param=error.get("loc"), code=400)
+
+
+def request_too_large(limit: int) -> APIError:
+    return APIError(
+        413, f"The request body is too large: JSON bodies are at most {limit} bytes.", code="request_too_large"
+    )
+
+
+def stream_error_event() -> bytes:
+    """The event `vllm serve` ends a stream with when its engine fails mid-answer (the client's SDK raises it)."""
+    error = {"message": UNEXPECTED.message, "type": "InternalServerError", "param": None, "code": 500}
+    return f"data: {json.dumps({'error': error})}\n\n".encode()
 
 
 def respond(error: APIError) -> JSONResponse:
@@ -191,6 +232,8 @@ def document_errors(app: FastAPI) -> None:
 
 
 DATABASE_RETRY_AFTER_SECONDS = 10
+# An engine starting takes a minute or more; one restarting after a death about as long.
+ENGINE_RETRY_AFTER_SECONDS = 5
 UNEXPECTED = APIError(500, "The server had an error while processing your request.", type="server_error")
 _INSUFFICIENT_STORAGE = APIError(
     507,

@@ -22,7 +22,7 @@ from urllib.parse import unquote_to_bytes
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api.errors import APIError, from_domain
+from app.api.errors import APIError, from_domain, request_too_large
 from app.core.auth import KeyRing, is_loopback
 from app.core.errors import Unauthenticated
 
@@ -146,7 +146,7 @@ class RequestGuard:
             if body is None:
                 await _refuse(self._too_large(), scope, receive, send)
                 return
-            receive = _replay(body)
+            receive = _replay(body, receive)
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
@@ -185,11 +185,7 @@ class RequestGuard:
         return b"".join(chunks)
 
     def _too_large(self) -> APIError:
-        return APIError(
-            413,
-            f"The request body is too large: JSON bodies are at most {self.max_json_bytes} bytes.",
-            code="request_too_large",
-        )
+        return request_too_large(self.max_json_bytes)
 
 
 def _utf8_url(scope: Scope) -> bool:
@@ -216,14 +212,16 @@ async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -
     await JSONResponse(error.body(), status_code=error.status_code, headers=error.headers)(scope, receive, send)
 
 
-def _replay(body: bytes) -> Receive:
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """The body already read, then the client's own messages: a route or a streaming answer that waits for the
+    client to go away (an online request, to abort it in the engine) must hear of it when it happens, not at once."""
     sent = False
 
-    async def receive() -> Message:
+    async def replayed() -> Message:
         nonlocal sent
         if sent:
-            return {"type": "http.disconnect"}
+            return await receive()
         sent = True
         return {"type": "http.request", "body": body, "more_body": False}
 
-    return receive
+    return replayed

@@ -12,6 +12,7 @@ from app.core.storage import Storage
 from app.domain import batches
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
+from app.engine.metrics import key_label
 from app.engine.view import EngineView
 
 router = APIRouter(tags=["system"])
@@ -46,9 +47,11 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
 def metrics(registry: MetricsDep, engine: EngineDep, db: DbDep, owner: OwnerDep) -> Response:
     """Prometheus text format: the engine's `vllm:` series and vbatch's (`vbatch_*`). Needs a key when keys are
     configured: the service-wide series count every tenant's work, a series about one batch (`batch_id`) is there
-    only for the caller's own batches."""
+    only for the caller's own batches, one about a key's online requests (`key`) only for the caller's key."""
     text = registry.exposition(
-        engine.metrics_text(), shown=lambda ids: batches.owned(db=db, batch_ids=ids, owner=owner)
+        engine.metrics_text(),
+        shown=lambda ids: batches.owned(db=db, batch_ids=ids, owner=owner),
+        key=key_label(owner),
     )
     return Response(text, media_type=CONTENT_TYPE_LATEST)
 

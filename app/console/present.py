@@ -139,4 +139,26 @@ def rate(value: float | None) -> str:
     return "-" if value is None else f"{value:,.1f}"
 
 
+@dataclass(frozen=True)
+class Throughput:
+    """The engine page's rates: the running batches' together, and the online requests this process answered."""
+
+    batches_running: int
+    batch_requests_per_second: float
+    batch_output_tokens_per_second: float
+    online_requests_per_second: float
+    online_output_tokens_per_second: float
+
+
+def throughput(batch_rates: dict[str, tuple[float, float]], online: tuple[float, float]) -> Throughput:
+    """`batch_rates`: each running batch's (requests/s, output tokens/s); `online`: the same for online requests."""
+    return Throughput(
+        batches_running=len(batch_rates),
+        batch_requests_per_second=sum(requests for requests, _ in batch_rates.values()),
+        batch_output_tokens_per_second=sum(tokens for _, tokens in batch_rates.values()),
+        online_requests_per_second=online[0],
+        online_output_tokens_per_second=online[1],
+    )
+
+
 FILTERS = {"when": when, "day_minute": day_minute, "size": size, "duration": duration, "rate": rate}

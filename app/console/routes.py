@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from starlette.types import Receive, Scope, Send
 
-from app.api.deps import DbDep, EngineDep, SettingsDep, StorageDep
+from app.api.deps import DbDep, EngineDep, MetricsDep, SettingsDep, StorageDep
 from app.api.errors import from_domain
 from app.api.system import health_status
 from app.api.uploads import store_upload
@@ -336,7 +336,13 @@ async def delete_file(request: Request, file_id: str, session: ChangeDep, db: Db
 
 @pages.get("/engine")
 def engine_page(
-    request: Request, session: SessionDep, engine: EngineDep, settings: SettingsDep, storage: StorageDep, db: DbDep
+    request: Request,
+    session: SessionDep,
+    engine: EngineDep,
+    settings: SettingsDep,
+    storage: StorageDep,
+    db: DbDep,
+    metrics: MetricsDep,
 ) -> Response:
     gpus = gpu_usage()
     health = health_status(engine, settings, storage, db)
@@ -348,6 +354,7 @@ def engine_page(
         health=health,
         gpus=gpus,
         config=sorted(engine.engine_config.items()),
+        rates=present.throughput(engine.live_rates(), metrics.online.rates.rates()),
     )
 
 

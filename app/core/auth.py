@@ -6,6 +6,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from app.core.errors import Unauthenticated
@@ -27,21 +29,73 @@ def digest(key: str) -> str:
 
 def read_keys(*, inline: str, path: Path | None) -> list[str]:
     """Keys from `VBATCH_API_KEYS` (comma-separated) and `VBATCH_API_KEYS_FILE` (one a line, `#` comments; a key
-    may be followed on its line by its own webhook URL and secret)."""
+    may be followed on its line by its own webhook URL and secret, and by `name=value` settings of its own)."""
     keys = [k.strip() for k in inline.split(",")]
-    keys += [fields[0] for fields in key_file_lines(path)]
+    keys += [line.fields[0] for line in key_file_entries(path)]
     return [k for k in keys if k]
 
 
+# The settings a key may have on its line of the keys file, `name=value` after the key: its own limits on online
+# requests a minute and tokens a minute (a whole number; 0: none), in place of VBATCH_LIVE_RPM and VBATCH_LIVE_TPM.
+KEY_SETTINGS = ("live_rpm", "live_tpm")
+# A setting is a lower-case name and `=`: no webhook URL (a scheme and `:` first) or whsec_ secret reads as one.
+_SETTING = re.compile(r"([a-z][a-z_]*)=(.*)")
+
+
+@dataclass(frozen=True)
+class KeyLine:
+    """One line of the keys file: the key and what follows it in order (a webhook URL and secret), then the key's
+    own settings by name."""
+
+    fields: list[str]
+    settings: dict[str, int]
+
+
 def key_file_lines(path: Path | None) -> list[list[str]]:
-    """The keys file's lines, split on whitespace, without comments and blank lines."""
+    """The keys file's lines, split on whitespace, without comments, blank lines and the keys' `name=value`
+    settings (`key_settings` reads those)."""
+    return [line.fields for line in key_file_entries(path)]
+
+
+def key_settings(path: Path | None) -> dict[str, dict[str, int]]:
+    """Each key's own settings from the keys file, by its owner id (keys without any are left out)."""
+    return {owner_of(line.fields[0]): line.settings for line in key_file_entries(path) if line.settings}
+
+
+def key_file_entries(path: Path | None) -> list[KeyLine]:
+    """The keys file read and checked; ValueError naming the line (never its key) for a setting that is unknown,
+    given twice or not a whole number of at least 0."""
     if path is None:
         return []
     try:
         text = path.read_text()
     except OSError as exc:
         raise ValueError(f"VBATCH_API_KEYS_FILE {path} cannot be read: {exc.strerror}") from None
-    return [line.split() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    entries = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            entries.append(_key_line(line.split(), f"VBATCH_API_KEYS_FILE {path}, line {number}"))
+    return entries
+
+
+def _key_line(words: list[str], where: str) -> KeyLine:
+    fields = words[:1]
+    settings: dict[str, int] = {}
+    for word in words[1:]:
+        match = _SETTING.fullmatch(word)
+        if match is None:
+            fields.append(word)
+            continue
+        name, value = match.groups()
+        if name not in KEY_SETTINGS:
+            known = ", ".join(f"{known}=" for known in KEY_SETTINGS)
+            raise ValueError(f"{where}: unknown setting {name}= (a key's line may set {known})")
+        if name in settings:
+            raise ValueError(f"{where}: {name}= is given twice")
+        if not value.isascii() or not value.isdigit() or len(value) > 15:
+            raise ValueError(f"{where}: {name}= takes a whole number a minute, 0 for no limit; not {value[:40]!r}")
+        settings[name] = int(value)
+    return KeyLine(fields, settings)
 
 
 def owner_of(key: str) -> str:

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 import re
+import socket
 from functools import cached_property
 from pathlib import Path
 from typing import Literal
+from urllib.parse import urlsplit
 
 from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+# Addresses that bind every interface: no one can reach a service by them.
+WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 
 
 def window_seconds(window: str) -> int:
@@ -20,6 +24,14 @@ def window_seconds(window: str) -> int:
     if not match:
         raise ValueError(f"not a completion window: {window!r}")
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
+
+
+def base_url(host: str, port: int, *, wildcard_name: str | None = None) -> str:
+    """`http://host:port` for a server bound there, a wildcard address replaced by a name others reach it by
+    (`wildcard_name`, else this machine's host name)."""
+    if host in WILDCARD_HOSTS:
+        host = wildcard_name or socket.gethostname()
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class Settings(BaseSettings):
@@ -52,6 +64,11 @@ class Settings(BaseSettings):
     output_file_ttl_seconds: int = 30 * 86400
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
+    # Online requests' time to first token the batch window keeps under (`app.engine.window`): while their recent
+    # p90 is above it, fewer batch lines are in flight. 500 ms: about where a chat reply stops feeling immediate, and
+    # far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way only
+    # when batch lines really are in the way. 0: the window stays at max_in_flight.
+    live_ttft_target_ms: float = 500.0
     progress_log_seconds: float = 5.0
     # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
     checkpoint_seconds: float = 0.5
@@ -85,6 +102,11 @@ class Settings(BaseSettings):
     # sees only from a proxy it trusts with X-Forwarded-Proto (uvicorn's FORWARDED_ALLOW_IPS, loopback by default);
     # "true" for a proxy it does not trust.
     cookie_secure: Literal["auto", "true", "false"] = "auto"
+    # Online requests (`/v1/chat/completions` ...) each key may make a minute, and tokens it may use a minute (the
+    # prompt estimated, plus the most it may generate), in each process that answers them; 0: no limit. A key's own
+    # `live_rpm=` / `live_tpm=` on its line of the keys file take their place. Batches are not limited by these.
+    live_rpm: int = 0
+    live_tpm: int = 0
     # Webhooks (OpenAI's batch events, Standard Webhooks signatures): the service's endpoint; keys may have their
     # own in the keys file (`key url secret` on its line).
     webhook_url: str | None = None
@@ -114,12 +136,36 @@ class Settings(BaseSettings):
     # A synchronous database or object-store call made on a thread that runs an event loop raises instead of
     # stalling that loop (`app/core/blocking.py`): the test suite turns it on, to find such calls.
     guard_blocking: bool = False
+    # Where a `vbatch worker` answers online requests, for the API replicas that forward them to it
+    # (`http://10.0.0.7:8001`): unset, from the host and port it listens on, a wildcard host replaced by this
+    # machine's name. Set it where that name does not reach the worker (a Kubernetes pod: its IP).
+    advertise_url: str | None = None
+    # A forwarded online request whose worker sends nothing for this long (a streamed answer between two events,
+    # or a whole answer that is not streamed) ends with an error: the worker hangs, or is cut off.
+    forward_silence_seconds: float = 600.0
+
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url_parses(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
+            raise ValueError(f"VBATCH_ADVERTISE_URL must be a base URL such as http://10.0.0.7:8001, not {value!r}")
+        return value.rstrip("/")
 
     @field_validator("completion_windows")
     @classmethod
     def _windows_parse(cls, value: str) -> str:
         for window in value.split(","):
             window_seconds(window.strip())
+        return value
+
+    @field_validator("live_rpm", "live_tpm")
+    @classmethod
+    def _a_limit(cls, value: int) -> int:
+        if value < 0:
+            raise ValueError("a limit a minute is 0 (none) or more")
         return value
 
     @cached_property
@@ -133,6 +179,11 @@ class Settings(BaseSettings):
 
     def upload_limit(self, purpose: str) -> int:
         return self.max_batch_upload_bytes if purpose == "batch" else self.max_upload_bytes
+
+    @property
+    def advertised_url(self) -> str:
+        """Where this service answers, as workers announce it: `advertise_url`, or the host and port it listens on."""
+        return self.advertise_url or base_url(self.host, self.port)
 
     @property
     def database_path(self) -> Path:

@@ -33,3 +33,16 @@ class TooManyActive(DomainError):
             "Wait for one to finish, or cancel one.",
             code="too_many_active_batches",
         )
+
+
+class ModelNotServed(DomainError):
+    """A request names a model no engine here serves: OpenAI's 404 `model_not_found`."""
+
+    def __init__(self, model: str) -> None:
+        # Shown as sent, but as text any client can read back: a lone surrogate escaped, a long name cut.
+        shown = model[:256].encode("utf-8", "backslashreplace").decode()
+        super().__init__(
+            f"The model `{shown}` does not exist or you do not have access to it.",
+            param="model",
+            code="model_not_found",
+        )

@@ -148,6 +148,10 @@ class WorkerRow(SQLModel, table=True):
     engine_config_json: str = "{}"
     scheduler_error: str | None = None
     engine_deaths: int = 0
+    # Where it answers online requests (`VBATCH_ADVERTISE_URL`), and how many it has in flight: what an API replica
+    # forwards them by (`app.engine.forward`). None: it cannot be forwarded to (a service of an older version).
+    url: str | None = None
+    online_in_flight: int = 0
 
 
 class EndedConsoleSession(SQLModel, table=True):

@@ -1,6 +1,7 @@
 """The services that run batches, as each last said: its engine's state, the models it serves, its engine's
-configuration. Each says so every second (`beat`); an API replica (`vbatch api`, which has no engine) answers
-/v1/models, /health and the console's engine page from those that spoke lately (`seen`)."""
+configuration, where it answers online requests and how many it has in flight. Each says so every second (`beat`);
+an API replica (`vbatch api`, which has no engine) answers /v1/models, /health and the console's engine page from
+those that spoke lately (`seen`), and forwards online requests to them (`app.engine.forward`)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ class WorkerState:
     engine_config: dict
     scheduler_error: str | None
     engine_deaths: int
+    url: str | None = None  # its base URL, `http://host:port` (None: not to be forwarded to)
+    online_in_flight: int = 0
 
 
 def beat(*, db: Engine, worker: WorkerState) -> None:
@@ -38,6 +41,8 @@ def beat(*, db: Engine, worker: WorkerState) -> None:
         row.engine_config_json = json.dumps(worker.engine_config, default=str)
         row.scheduler_error = worker.scheduler_error
         row.engine_deaths = worker.engine_deaths
+        row.url = worker.url
+        row.online_in_flight = worker.online_in_flight
         session.add(row)
         session.commit()
 
@@ -66,4 +71,6 @@ def _state(row: WorkerRow) -> WorkerState:
         engine_config=json.loads(row.engine_config_json),
         scheduler_error=row.scheduler_error,
         engine_deaths=row.engine_deaths,
+        url=row.url,
+        online_in_flight=row.online_in_flight,
     )

@@ -3,7 +3,6 @@ registry of the batches this service holds (`runs.py`). What is one batch's alon
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
@@ -14,6 +13,7 @@ from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
 from app.engine.runs import Runs
+from app.engine.window import BatchWindow
 
 
 @dataclass
@@ -28,8 +28,12 @@ class Context:
     wave: int
     # Data-parallel ranks: each shared-prefix group is pinned to one (`app.engine.ordering.pin_to_ranks`).
     ranks: int
-    slots: asyncio.Semaphore
+    # Batch lines in flight at once, fewer while online requests need room (`app.engine.window`).
+    window: BatchWindow
     metrics: Metrics
+    # The engine schedules by priority (`--scheduling-policy priority`, vbatch's default): batch lines then run
+    # behind online requests (`app.domain.online.as_batch_line`); under `fcfs` they keep the priority they have.
+    batch_priority: bool = True
     # A batch of more lines than this is cut into shards other workers may claim (0: never; `app.engine.shards`).
     shard_lines: int = 0
     # Whose batch submits its lines now (round robin over keys); batches overlap only at the tail.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from types import TracebackType
 from typing import Protocol
 
 from app.domain.results import Body, Outcome, http_outcome
@@ -15,6 +16,16 @@ from app.domain.results import Body, Outcome, http_outcome
 
 class Executor(Protocol):
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]: ...
+
+
+class Slots(Protocol):
+    """Places for lines in flight: `asyncio.Semaphore`, or the batch window (`app.engine.window`), whose size moves."""
+
+    async def __aenter__(self) -> None: ...
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None: ...
 
 
 # (position, request, data-parallel rank or None)
@@ -27,13 +38,15 @@ async def run_lines(
     *,
     executor: Executor,
     endpoint: str,
-    slots: asyncio.Semaphore,
+    slots: Slots,
     workers: int,
     on_outcome: OnOutcome,
     on_all_submitted: Callable[[], None] | None = None,
     in_flight: set[int] | None = None,
+    engine_body: Callable[[dict], dict] | None = None,
 ) -> None:
     """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
+    `engine_body`: what the engine is given for a line's body (None: the body as it is).
 
     An exception from the executor (the engine died) cancels the other workers and propagates; `in_flight` then
     holds the numbers of the lines that had been sent and have no outcome.
@@ -62,7 +75,8 @@ async def run_lines(
                     return
                 number, request, rank = line
                 sent.add(number)
-                status, body = await executor.execute(endpoint, request["body"], rank)
+                body = request["body"] if engine_body is None else engine_body(request["body"])
+                status, body = await executor.execute(endpoint, body, rank)
                 if _being_cancelled():
                     # vLLM's handlers turn an abort into a "client disconnected" error body; that request did
                     # not finish, so it gets no line here (cancel and expiry write theirs).

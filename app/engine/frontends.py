@@ -12,6 +12,12 @@ one process would produce, and cancel, isolation and engine-death recovery work 
 
 Messages go over one ZeroMQ socket pair per front end, pickled, and are coalesced: everything queued for a front
 end while the event loop was busy leaves in one message, and the answers come back the same way.
+
+Online requests (`FrontendPool.respond`) travel beside them in messages of their own, so a batch line's answer
+costs what it did: a JSON answer, or a stream's start, its chunks and its end. A front end sends at most
+`STREAM_ROOM` chunks of a stream the pool has not handed on, and the pool gives room back as its reader takes them,
+so a slow reader holds its stream back in the front end (where vLLM merges the tokens nobody reads) rather than in a
+buffer. A reader that goes away sends "abort", which cancels the front end's task, and vLLM aborts the request.
 """
 
 from __future__ import annotations
@@ -20,10 +26,12 @@ import asyncio
 import contextlib
 import gc
 import itertools
+import json
 import logging
 import os
 import pickle
 import signal
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
@@ -44,6 +52,9 @@ HEALTH_TIMEOUT_SECONDS = 30.0
 EXIT_CODE_WAIT_SECONDS = 1.0
 # A body the serving layer raised on, as vLLM's own exception handler answers it.
 INTERNAL_ERROR = 500
+# Chunks of one stream a front end sends ahead of its reader; room comes back a batch at a time.
+STREAM_ROOM = 64
+ROOM_BATCH = STREAM_ROOM // 4
 
 
 # Measured on an H200 host (16 cores, docs/benchmarks.md): 14 front ends against 7 made embeddings 1.36x faster
@@ -75,6 +86,7 @@ class _Frontend:
     process: BaseProcess
     identity: bytes | None = None
     pending: dict[int, asyncio.Future] = field(default_factory=dict)
+    streams: dict[int, FrontendStream] = field(default_factory=dict)  # online streams it is sending
     outbox: list[tuple] = field(default_factory=list)
     alive: bool = True
 
@@ -93,6 +105,7 @@ class FrontendPool:
         generated_tokens: Callable[[], int | None],
         metrics_text: Callable[[], bytes],
         engine_config: dict[str, object] | None = None,
+        preemptions: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.data_parallel_size = data_parallel_size
@@ -104,6 +117,7 @@ class FrontendPool:
         self._engine_lost = False
         self._generated_tokens = generated_tokens
         self._metrics_text = metrics_text
+        self._preemptions = preemptions
         self._frontends = [_Frontend(i, p) for i, p in enumerate(processes)]
         self._by_identity: dict[bytes, _Frontend] = {}
         self._ids = itertools.count()
@@ -160,7 +174,30 @@ class FrontendPool:
             raise
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
-        raise NotImplementedError("online requests: issue 29, in progress")
+        frontend = self._least_busy()
+        request_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        frontend.pending[request_id] = answer
+        frontend.outbox.append(("respond", request_id, endpoint, body))
+        self._wake.set()
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            # Before its first answer, or with a stream that no one will read.
+            if frontend.pending.pop(request_id, None) is not None or request_id in frontend.streams:
+                self._abort(frontend, request_id)
+            raise
+
+    def _abort(self, frontend: _Frontend, request_id: int) -> None:
+        frontend.streams.pop(request_id, None)
+        if frontend.alive:
+            frontend.outbox.append(("abort", request_id))
+            self._wake.set()
+
+    def _give_room(self, frontend: _Frontend, request_id: int, chunks: int) -> None:
+        if frontend.alive:
+            frontend.outbox.append(("room", request_id, chunks))
+            self._wake.set()
 
     async def is_alive(self) -> bool:
         if self._engine_lost or not all(f.alive for f in self._frontends):
@@ -179,13 +216,16 @@ class FrontendPool:
     def metrics_text(self) -> bytes:
         return self._metrics_text()
 
+    def preemptions(self) -> int | None:
+        return self._preemptions()
+
     def _least_busy(self) -> _Frontend:
         if self._engine_lost:
             raise EngineDead("the engine core exited")
         live = [f for f in self._frontends if f.alive]
         if not live:
             raise EngineDead("every front-end process is gone")
-        return min(live, key=lambda f: len(f.pending))
+        return min(live, key=lambda f: len(f.pending) + len(f.streams))
 
     async def _ask_health(self, frontend: _Frontend) -> bool:
         request_id = next(self._ids)
@@ -212,6 +252,9 @@ class FrontendPool:
                 self._greet(identity, index=message[1], served_models=message[2])
                 continue
             frontend = self._by_identity[identity]
+            if message[0] == "online":
+                self._take_online(frontend, message[1])
+                continue
             for request_id, status, body in message[1]:
                 answer = frontend.pending.pop(request_id, None)
                 if answer is None or answer.done():  # aborted meanwhile
@@ -220,6 +263,30 @@ class FrontendPool:
                     answer.set_exception(EngineDead(body))
                 else:
                     answer.set_result(body if status == "health" else (status, body))
+
+    def _take_online(self, frontend: _Frontend, items: list[tuple]) -> None:
+        """A front end's news of online requests: a stream's chunks, or a first answer, a stream's end, a death."""
+        for request_id, kind, payload in items:
+            if kind == "chunk":
+                stream = frontend.streams.get(request_id)
+                if stream is not None:  # else closed by its reader meanwhile
+                    stream.put(payload)
+            elif kind in ("end", "dead") and request_id in frontend.streams:
+                frontend.streams.pop(request_id).finish(EngineDead(payload) if kind == "dead" else None)
+            else:
+                self._first_answer(frontend, request_id, kind, payload)
+
+    def _first_answer(self, frontend: _Frontend, request_id: int, kind: str, payload: Any) -> None:
+        answer = frontend.pending.pop(request_id, None)
+        if answer is None or answer.done():  # its caller went away meanwhile
+            return
+        if kind == "start":
+            stream = frontend.streams[request_id] = FrontendStream(self, frontend, request_id)
+            answer.set_result(stream)
+        elif kind == "json":
+            answer.set_result(payload)
+        else:
+            answer.set_exception(EngineDead(payload))
 
     def _greet(self, identity: bytes, *, index: int, served_models: list[str]) -> None:
         frontend = self._frontends[index]
@@ -252,6 +319,63 @@ class FrontendPool:
         for answer in pending.values():
             if not answer.done():
                 answer.set_exception(error)
+        streams, frontend.streams = frontend.streams, {}
+        for stream in streams.values():
+            stream.finish(error)
+
+
+class FrontendStream:
+    """An online stream a front end sends, read on the pool's loop: the server-sent events as its serving layer
+    yields them. Its reader closing it, or cancelled while it waits, aborts the request; a front end or engine that
+    dies ends it with EngineDead."""
+
+    def __init__(self, pool: FrontendPool, frontend: _Frontend, request_id: int) -> None:
+        self._pool = pool
+        self._frontend = frontend
+        self._request_id = request_id
+        self._chunks: deque[str] = deque()
+        self._arrived = asyncio.Event()
+        self._finished = False
+        self._error: EngineDead | None = None
+        self._taken = 0
+
+    def put(self, chunk: str) -> None:
+        self._chunks.append(chunk)
+        self._arrived.set()
+
+    def finish(self, error: EngineDead | None) -> None:
+        """It ends after the chunks already come (with `error` raised, if any)."""
+        self._finished, self._error = True, error
+        self._arrived.set()
+
+    def __aiter__(self) -> FrontendStream:
+        return self
+
+    async def __anext__(self) -> str:
+        while not self._chunks:
+            if self._finished:
+                if self._error is not None:
+                    raise self._error
+                raise StopAsyncIteration
+            self._arrived.clear()
+            try:
+                await self._arrived.wait()
+            except asyncio.CancelledError:
+                self._abandon()
+                raise
+        self._taken += 1
+        if self._taken == ROOM_BATCH:
+            self._taken = 0
+            self._pool._give_room(self._frontend, self._request_id, ROOM_BATCH)
+        return self._chunks.popleft()
+
+    async def aclose(self) -> None:
+        self._abandon()
+
+    def _abandon(self) -> None:
+        if not self._finished:
+            self.finish(None)
+            self._pool._abort(self._frontend, self._request_id)
 
 
 def exit_record(process: BaseProcess, name: str) -> tuple[int, str]:
@@ -302,8 +426,10 @@ class _FrontendLoop:
         self.socket = socket
         self.index = index
         self.answers: list[tuple] = []
+        self.online: list[tuple] = []  # news of online requests, sent apart from the answers
         self.wake = asyncio.Event()
         self.running: dict[int, asyncio.Task] = {}
+        self.rooms: dict[int, asyncio.Semaphore] = {}  # the chunks each stream may still send ahead of its reader
 
     async def receive_until(self, watch: asyncio.Task) -> None:
         """Take what the pool sends until `watch` ends (vbatch is gone)."""
@@ -326,6 +452,11 @@ class _FrontendLoop:
                 task.cancel()
         elif kind == "health":
             self.running[request_id] = asyncio.create_task(self.health(request_id))
+        elif kind == "respond":
+            self.running[request_id] = asyncio.create_task(self.respond(request_id, *item[2:]))
+        elif kind == "room" and request_id in self.rooms:
+            for _ in range(item[2]):
+                self.rooms[request_id].release()
 
     async def run(self, request_id: int, endpoint: str, body: dict, rank: int | None) -> None:
         try:
@@ -340,6 +471,47 @@ class _FrontendLoop:
             self.answer((request_id, INTERNAL_ERROR, encode_body(_internal_error(exc))))
         finally:
             self.running.pop(request_id, None)
+
+    async def respond(self, request_id: int, endpoint: str, body: dict) -> None:
+        stream: Stream | None = None
+        try:
+            answer = await self.serving.respond(endpoint, body)
+            if isinstance(answer, tuple):
+                self.tell((request_id, "json", answer))
+                return
+            stream = answer
+            await self.send_stream(request_id, stream)
+        except EngineDead as exc:
+            self.tell((request_id, "dead", str(exc)))
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # the serving layer answers errors itself; this is a last resort
+            log.exception("front end %d: online request failed", self.index)
+            self.tell_failure(request_id, exc, started=stream is not None)
+        finally:
+            self.running.pop(request_id, None)
+            self.rooms.pop(request_id, None)
+            if stream is not None and hasattr(stream, "aclose"):
+                await stream.aclose()  # left at a chunk (cancelled while waiting for room): this aborts it
+
+    async def send_stream(self, request_id: int, stream: Stream) -> None:
+        room = self.rooms[request_id] = asyncio.Semaphore(STREAM_ROOM)
+        self.tell((request_id, "start", None))
+        async for chunk in stream:
+            await room.acquire()
+            self.tell((request_id, "chunk", chunk))
+        self.tell((request_id, "end", None))
+
+    def tell_failure(self, request_id: int, exc: Exception, *, started: bool) -> None:
+        if not started:
+            self.tell((request_id, "json", (INTERNAL_ERROR, _internal_error(exc))))
+            return
+        self.tell((request_id, "chunk", f"data: {json.dumps(_internal_error(exc))}\n\n"))
+        self.tell((request_id, "end", None))
+
+    def tell(self, item: tuple) -> None:
+        self.online.append(item)
+        self.wake.set()
 
     async def health(self, request_id: int) -> None:
         try:
@@ -358,6 +530,9 @@ class _FrontendLoop:
             if self.answers:
                 batch, self.answers = self.answers, []
                 await self.socket.send(pickle.dumps(("done", batch), protocol=5))
+            if self.online:
+                news, self.online = self.online, []
+                await self.socket.send(pickle.dumps(("online", news), protocol=5))
 
     def cancel_running(self) -> None:
         for task in list(self.running.values()):

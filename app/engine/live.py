@@ -16,7 +16,7 @@ from typing import Literal
 
 from app.domain.results import Body
 from app.engine.execution import Executor
-from app.engine.serving import EngineDead, Serving
+from app.engine.serving import EngineDead, Serving, Stream
 
 log = logging.getLogger("vbatch.engine")
 
@@ -62,6 +62,14 @@ class LiveEngine:
             raise EngineDead("the engine is not running")
         return await self._serving.execute(endpoint, body, rank)
 
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        """An online request (`app.domain.online`): beside the batch lines, and never held back by isolated work,
+        which exists to find a batch line that kills the engine."""
+        serving = self._serving
+        if serving is None or self.state != "ok":
+            raise EngineDead("the engine is not running")
+        return await serving.respond(endpoint, body)
+
     def generated_tokens(self) -> int | None:
         serving = self._serving
         return serving.generated_tokens() if serving is not None and self.state == "ok" else None
@@ -69,6 +77,11 @@ class LiveEngine:
     def metrics_text(self) -> bytes:
         serving = self._serving
         return serving.metrics_text() if serving is not None else b""
+
+    def preemptions(self) -> int | None:
+        """The running engine's preemptions since it started (a new engine counts from 0 again)."""
+        serving = self._serving
+        return serving.preemptions() if serving is not None and self.state == "ok" else None
 
     async def check(self) -> None:
         """Restart an engine that died with nothing in flight: no request would notice, and /health would say ok."""

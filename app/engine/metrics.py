@@ -8,6 +8,9 @@ because the engine thread counts into it; the API and the webhook sender, above 
 
 from __future__ import annotations
 
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,8 +28,12 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 
 
 class Metrics:
+    # The batch window's series, once an engine serves here (`watch_window`).
+    _window: _BatchWindow | None = None
+
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.online = OnlineMetrics(self.registry)
         self.requests = Counter(
             "vbatch_requests", "Batch lines that reached a result, by outcome.", ["outcome"], registry=self.registry
         )
@@ -78,20 +85,33 @@ class Metrics:
         """What is true now, read at every scrape from `state`."""
         self.registry.register(_Now(state))
 
-    def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]]) -> bytes:
+    def watch_window(
+        self, numbers: Callable[[], tuple[int, int] | None], preemptions: Callable[[], int | None]
+    ) -> None:
+        """The batch window's (size, most) and the engine's preemptions, read at every scrape; called again (a new
+        context), the new readers replace the old."""
+        if self._window is None:
+            self._window = _BatchWindow()
+            self.registry.register(self._window)
+        self._window.numbers = numbers
+        self._window.preemptions = preemptions
+
+    def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]], key: str | None = None) -> bytes:
         """The engine's series, then vbatch's; of those about one batch (a `batch_id` label) only the ones whose id
-        `shown` keeps (given every such id, it returns those the caller may see)."""
+        `shown` keeps (given every such id, it returns those the caller may see), and of those about one key (a
+        `key` label) only `key`'s (None: every key's)."""
         scoped = CollectorRegistry(auto_describe=False)
-        scoped.register(_Scoped(self.registry, shown))
+        scoped.register(_Scoped(self.registry, shown, key))
         return engine_text + generate_latest(scoped)
 
 
 class _Scoped(Collector):
     """`registry`'s series, less those about a batch that `shown` does not keep."""
 
-    def __init__(self, registry: CollectorRegistry, shown: Callable[[set[str]], set[str]]) -> None:
+    def __init__(self, registry: CollectorRegistry, shown: Callable[[set[str]], set[str]], key: str | None) -> None:
         self.registry = registry
         self.shown = shown
+        self.key = key
 
     def collect(self) -> Iterator[Metric]:
         families = list(self.registry.collect())
@@ -99,7 +119,12 @@ class _Scoped(Collector):
         kept = self.shown(ids) if ids else set()
         for family in families:
             scoped = Metric(family.name, family.documentation, family.type, family.unit)
-            scoped.samples = [s for s in family.samples if not _about_a_batch(s) or s.labels[BATCH_LABEL] in kept]
+            scoped.samples = [
+                s
+                for s in family.samples
+                if (not _about_a_batch(s) or s.labels[BATCH_LABEL] in kept)
+                and (self.key is None or s.labels.get(KEY_LABEL, self.key) == self.key)
+            ]
             yield scoped
 
 
@@ -159,3 +184,128 @@ class _Now(Collector):
             "vbatch_engine_restarts", "Engine deaths after which a new engine was started.", value=now.engine_deaths
         )
         yield GaugeMetricFamily("vbatch_engine_up", "1 while the engine serves.", value=1 if now.engine_up else 0)
+
+
+# The batch window (`app.engine.window`) and the engine's preemptions, read at scrape time from the process that runs
+# the engine (an API replica, with none, shows neither).
+
+
+class _BatchWindow(Collector):
+    def __init__(self) -> None:
+        self.numbers: Callable[[], tuple[int, int] | None] = lambda: None
+        self.preemptions: Callable[[], int | None] = lambda: None
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        numbers = self.numbers()
+        if numbers is not None:
+            size, max_size = numbers
+            yield GaugeMetricFamily(
+                "vbatch_batch_window",
+                "Batch lines the engine may have in flight now: below vbatch_batch_window_max while online requests "
+                "are over their time-to-first-token target.",
+                value=size,
+            )
+            yield GaugeMetricFamily(
+                "vbatch_batch_window_max",
+                "The most batch lines in flight at once (VBATCH_MAX_IN_FLIGHT).",
+                value=max_size,
+            )
+        preemptions = self.preemptions()
+        if preemptions is not None:
+            yield CounterMetricFamily(
+                "vbatch_batch_preemptions",
+                "Requests the engine preempted (vllm:num_preemptions, since the engine started). The engine counts "
+                "every preemption; it preempts the running request of the worst priority first and online requests "
+                "run at a better one than batch lines, so in practice these are batch lines preempted for online ones.",
+                value=preemptions,
+            )
+
+
+# Online requests (issue 29): measured by the API's online routes as each answer passes through them.
+
+# The label of every series about one key: its owner id (`app.core.auth.owner_of`), never the key; a tenant sees
+# its own key's series only, as it sees only its own batches'.
+KEY_LABEL = "key"
+ANONYMOUS_KEY = "anonymous"  # requests made while no keys are configured
+# From a short prompt on an idle engine to a long answer behind a busy one.
+ONLINE_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+INTER_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5)
+# The console's online rates are over the answers that ended in this many seconds.
+ONLINE_RATE_SECONDS = 10.0
+
+
+def key_label(owner: str) -> str:
+    return owner or ANONYMOUS_KEY
+
+
+class OnlineMetrics:
+    """The `vbatch_live_*` series (by key and model), and this process's recent online rates."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        by_key_and_model = [KEY_LABEL, "model"]
+        self.time_to_first_token = Histogram(
+            "vbatch_live_time_to_first_token_seconds",
+            "Online streams: from the request's arrival to its first event that carries output.",
+            by_key_and_model,
+            buckets=ONLINE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token_latency = Histogram(
+            "vbatch_live_inter_token_latency_seconds",
+            "Online streams: between two events that carry output (an event is a token as vLLM streams by default).",
+            by_key_and_model,
+            buckets=INTER_TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.request_seconds = Histogram(
+            "vbatch_live_request_seconds",
+            "Online requests the engine answered: from their arrival to their answer's last byte.",
+            by_key_and_model,
+            buckets=ONLINE_LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter(
+            "vbatch_live_requests",
+            "Online requests answered, by key, model, endpoint and HTTP status (refusals included).",
+            [KEY_LABEL, "model", "endpoint", "status"],
+            registry=registry,
+        )
+        self.rates = OnlineRates()
+
+    def answered(self, *, key: str, model: str, endpoint: str, status: int) -> None:
+        self.requests.labels(key, model, endpoint, str(status)).inc()
+
+    def ended(self, *, key: str, model: str, seconds: float, output_tokens: int) -> None:
+        """An answer from the engine ended (its last byte sent, or its client gone)."""
+        self.request_seconds.labels(key, model).observe(seconds)
+        self.rates.record(output_tokens)
+
+
+class OnlineRates:
+    """This process's online answers of the last `ONLINE_RATE_SECONDS`: requests and output tokens a second, for the
+    console. Any thread."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ended: deque[tuple[float, int]] = deque()
+
+    def record(self, output_tokens: int) -> None:
+        with self._lock:
+            self._ended.append((self._clock(), output_tokens))
+            self._forget()
+
+    def rates(self) -> tuple[float, float]:
+        """(requests/s, output tokens/s)."""
+        with self._lock:
+            self._forget()
+            tokens = sum(output for _, output in self._ended)
+            return len(self._ended) / ONLINE_RATE_SECONDS, tokens / ONLINE_RATE_SECONDS
+
+    def _forget(self) -> None:
+        since = self._clock() - ONLINE_RATE_SECONDS
+        while self._ended and self._ended[0][0] < since:
+            self._ended.popleft()

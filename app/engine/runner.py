@@ -23,6 +23,7 @@ from app.domain import batches, leases
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
 from app.domain.lifecycle import BatchStatus
+from app.domain.online import as_batch_line
 from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.context import Context
@@ -89,6 +90,7 @@ class BatchRun:
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.live.generated_tokens)
         self.last_log = time.monotonic()
+        self._engine_body = as_batch_line if ctx.batch_priority else None
 
     def stats(self) -> RunStats | None:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
@@ -230,11 +232,12 @@ class BatchRun:
                 failpoints.ARMED.held(lines, ctx.settings.data_dir),
                 executor=ctx.live,
                 endpoint=self.row.endpoint,
-                slots=ctx.slots,
+                slots=ctx.window,
                 workers=ctx.max_in_flight,
                 on_outcome=self._record,
                 on_all_submitted=release,
                 in_flight=in_flight,
+                engine_body=self._engine_body,
             )
         finally:
             release()
@@ -258,6 +261,7 @@ class BatchRun:
                         slots=asyncio.Semaphore(len(group)),
                         workers=len(group),
                         on_outcome=self._record,
+                        engine_body=self._engine_body,
                     )
             except EngineDead:
                 await self.ctx.live.recover(generation)

@@ -53,8 +53,13 @@ class Scheduler:
         self.error: str | None = None
 
     async def schedule(self, ctx: Context) -> None:
-        """Looks for work until the engine is down. A look that fails (the database unreadable for a moment, or for
-        good) is logged and tried again at the next poll, with /health saying so meanwhile; it never ends the loop."""
+        """Looks for work until the engine is down, the batch window adapting meanwhile. A look that fails (the
+        database unreadable for a moment, or for good) is logged and tried again at the next poll, with /health saying
+        so meanwhile; it never ends the loop."""
+        async with ctx.window.adapting():
+            await self._look_until_down(ctx)
+
+    async def _look_until_down(self, ctx: Context) -> None:
         woken = self.bridge.woken
         assert woken is not None
         while self.live.state in ("ok", "restarting"):

@@ -32,9 +32,11 @@ from app.engine.context import Context
 from app.engine.holder import LeaseHolder
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
+from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineFactory, Serving, engine_wave
+from app.engine.serving import EngineFactory, Serving, engine_wave, schedules_by_priority
+from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
 
@@ -55,6 +57,10 @@ class EngineService:
         self._ctx: Context | None = None
         self.runs = Runs()
         self._holder = LeaseHolder(self.runs)
+        # The batch window (`Context.window`, once there is one) hears of online traffic.
+        self._online = OnlineRequests(
+            live=self.live, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
+        )
         self._scheduler = Scheduler(
             live=self.live, runs=self.runs, holder=self._holder, bridge=self._bridge, worker_state=self.worker_state
         )
@@ -117,12 +123,20 @@ class EngineService:
         ctx = self._ctx
         return ctx.feed.waiting() if ctx is not None else 0
 
+    @property
+    def batch_window(self) -> WindowSize | None:
+        """The batch's in-flight window now and at most (`app.engine.window`), from any thread; None before the
+        engine first serves."""
+        ctx = self._ctx
+        return ctx.window.numbers if ctx is not None else None
+
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._bridge.wake()
 
     async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
-        raise NotImplementedError("online requests: issue 29, in progress")
+        """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
+        return await self._online.respond(endpoint, body)
 
     async def start(
         self,
@@ -150,10 +164,12 @@ class EngineService:
 
     async def _lifetime(self, db: Engine, storage: Storage, settings: Settings) -> None:
         self._bridge.opened()
+        self._online.opened()
         main = asyncio.create_task(self._main(db, storage, settings))
         beat = asyncio.create_task(self._scheduler.beat(db))
         listen = asyncio.create_task(self._scheduler.listen(db))
         await self._bridge.stop_requested()
+        self._online.close()
         running = self.runs.tasks()
         for task in [*running, main, beat, listen]:
             task.cancel()
@@ -183,6 +199,8 @@ class EngineService:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         wave = engine_wave(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
+        window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=settings.live_ttft_target_ms / 1000)
+        self.metrics.watch_window(lambda: window.numbers, self.live.preemptions)
         ctx = Context(
             db=db,
             storage=storage,
@@ -192,10 +210,11 @@ class EngineService:
             max_in_flight=max_in_flight,
             wave=wave,
             ranks=max(1, serving.data_parallel_size),
-            slots=asyncio.Semaphore(max_in_flight),
+            window=window,
             metrics=self.metrics,
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,
+            batch_priority=schedules_by_priority(serving),
         )
         self._ctx = ctx
         logs.ensure_enabled()

@@ -66,6 +66,20 @@ class Serving(Protocol):
         """The engine's own Prometheus series in text format, as `vllm serve`'s /metrics has them. Any thread."""
         ...
 
+    def preemptions(self) -> int | None:
+        """Running requests the engine has preempted since it started (vLLM's `vllm:num_preemptions`, summed over
+        engines; None: unknown). Any thread."""
+        ...
+
+
+# vLLM's `--scheduling-policy` under which request priorities order the engine's queue (vbatch's default).
+PRIORITY_POLICY = "priority"
+
+
+def schedules_by_priority(serving: Serving) -> bool:
+    """Whether the engine orders requests by priority (an engine that does not say is taken to)."""
+    return serving.engine_config.get("scheduling_policy", PRIORITY_POLICY) == PRIORITY_POLICY
+
 
 def engine_wave(serving: Serving) -> int:
     """Requests the engine runs at once: max_num_seqs on each data-parallel rank. The in-flight window is sized
@@ -118,6 +132,9 @@ class _Poisoned:
 
     def metrics_text(self) -> bytes:
         return self._serving.metrics_text()
+
+    def preemptions(self) -> int | None:
+        return self._serving.preemptions()
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         if body.get("user") == self._poison_user:

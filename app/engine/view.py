@@ -1,9 +1,10 @@
 """What the API and the console see of the engine: `EngineService` in a process that runs batches (`vbatch
-serve`, `vbatch worker`), `WorkersView` in an API replica (`vbatch api`), which has no engine and reads what the
-workers last said (`app.domain.workers`)."""
+serve`, `vbatch worker`), `WorkersView` in an API replica (`vbatch api`), which has no engine, reads what the
+workers last said (`app.domain.workers`) and forwards online requests to them (`app.engine.forward`)."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from typing import Literal, Protocol
@@ -15,10 +16,12 @@ from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import batches, workers
 from app.domain.errors import NotFound
-from app.domain.online import OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
+from app.engine.forward import UNREACHABLE, Forwarder
 from app.engine.metrics import Metrics
+from app.engine.window import WindowSize
 
 State = Literal["starting", "ok", "restarting", "down"]
 # How long a worker may be silent and still count (it says so every second).
@@ -40,6 +43,10 @@ class EngineView(Protocol):
     def scheduler_error(self) -> str | None: ...
     @property
     def deaths(self) -> int: ...
+    @property
+    def batch_window(self) -> WindowSize | None:
+        """The batch's in-flight window now and at most (`app.engine.window`); None without an engine here."""
+        ...
 
     def metrics_text(self) -> bytes: ...
     def live_stats(self, batch_id: str) -> RunStats | None: ...
@@ -64,7 +71,7 @@ class EngineView(Protocol):
 
 class WorkersView:
     """The engines of the workers that spoke in the last `SEEN_SECONDS`, read at most once a second; a running
-    batch's live numbers as its worker kept them at its last checkpoint."""
+    batch's live numbers as its worker kept them at its last checkpoint; online requests forwarded to them."""
 
     def __init__(self) -> None:
         self.started_at = clock.now()
@@ -72,6 +79,7 @@ class WorkersView:
         self._lock = threading.Lock()
         self._read_at = 0.0
         self._seen: list[WorkerState] = []
+        self._forwarder: Forwarder | None = None
 
     async def start(
         self,
@@ -83,25 +91,28 @@ class WorkersView:
         hold_at_most: int | None = None,
     ) -> None:
         self._db = db
+        self._forwarder = Forwarder(silence_seconds=settings.forward_silence_seconds)
 
     async def stop(self) -> None:
         self._db = None
+        forwarder, self._forwarder = self._forwarder, None
+        if forwarder is not None:
+            await forwarder.aclose()
 
     def workers(self) -> list[WorkerState]:
         with self._lock:
-            if self._db is not None and time.monotonic() - self._read_at >= 1.0:
+            if self._stale():
+                assert self._db is not None
                 self._seen = workers.seen(db=self._db, within_seconds=SEEN_SECONDS)
                 self._read_at = time.monotonic()
             return self._seen
 
+    def _stale(self) -> bool:
+        return self._db is not None and time.monotonic() - self._read_at >= 1.0
+
     @property
     def state(self) -> State:
-        """`ok` while any worker's engine is; else the most hopeful state among them; `starting` with none yet."""
-        states = {worker.state for worker in self.workers()}
-        for state in ("ok", "restarting", "starting"):
-            if state in states:
-                return state  # type: ignore[return-value]
-        return "down" if states else "starting"
+        return _state_of(self.workers())
 
     @property
     def served_models(self) -> list[str]:
@@ -125,6 +136,10 @@ class WorkersView:
     def deaths(self) -> int:
         return sum(worker.engine_deaths for worker in self.workers())
 
+    @property
+    def batch_window(self) -> WindowSize | None:
+        return None  # each worker's is on its own /metrics (vbatch_batch_window)
+
     def metrics_text(self) -> bytes:
         return b""  # each worker's engine series are on its own /metrics
 
@@ -141,7 +156,25 @@ class WorkersView:
         return {}
 
     async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
-        raise NotImplementedError("online requests through `vbatch api`: issue 29, in progress")
+        """Forwarded to the least busy worker that serves the body's model (`app.engine.forward`)."""
+        if self._forwarder is None:
+            raise EngineUnavailable("starting")
+        # The database is read on a thread (at most once a second): never on the loop, which serves every request.
+        seen = await asyncio.to_thread(self.workers) if self._stale() else self._seen
+        able = self._forwarder.candidates(seen, body.get("model"))
+        if not able:
+            state = _state_of(seen)
+            raise EngineUnavailable(UNREACHABLE if state == "ok" else state)
+        return await self._forwarder.forward(able, endpoint, body)
 
     def wake(self) -> None:
         """Workers hear of new work from the database (`db.announce_work`), or find it at their next poll."""
+
+
+def _state_of(seen: list[WorkerState]) -> State:
+    """`ok` while any worker's engine is; else the most hopeful state among them; `starting` with none yet."""
+    states = {worker.state for worker in seen}
+    for state in ("ok", "restarting", "starting"):
+        if state in states:
+            return state  # type: ignore[return-value]
+    return "down" if states else "starting"

@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import typing
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
-from app.engine.serving import EngineDead, EngineFactory, Stream
+from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, Stream
 
 VLLM_VERSION: str = vllm.__version__
 log = logging.getLogger("vbatch.engine")
@@ -60,7 +60,7 @@ def serve_parser(prog: str) -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog=prog, description="vbatch: OpenAI Batch API over vLLM")
-    return _cli_args_module().make_arg_parser(parser)
+    return _policy_left_unset(_cli_args_module().make_arg_parser(parser))
 
 
 def run_batch_parser(prog: str) -> argparse.ArgumentParser:
@@ -68,7 +68,20 @@ def run_batch_parser(prog: str) -> argparse.ArgumentParser:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = FlexibleArgumentParser(prog=prog, description="vbatch run: the offline drop-in for vllm run-batch")
-    return _run_batch_module().make_arg_parser(parser)
+    return _policy_left_unset(_run_batch_module().make_arg_parser(parser))
+
+
+class _DefaultPolicy:
+    """`--scheduling-policy` when not given (on the command line or in a `--config` file): not a string, which
+    argparse would parse like a given one, so `apply_batch_defaults` can tell it from a user's `fcfs`."""
+
+    def __str__(self) -> str:  # in --help
+        return f"{PRIORITY_POLICY}, vbatch's; `vllm serve`'s is fcfs"
+
+
+def _policy_left_unset(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.set_defaults(scheduling_policy=_DefaultPolicy())
+    return parser
 
 
 def is_cpu_build() -> bool:
@@ -155,6 +168,24 @@ class ServingLayer:
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         """(HTTP status, JSON body) exactly as `vllm serve` would answer this body at this endpoint."""
+        result = await self._handle(endpoint, body, None if rank is None else _pinned_request(endpoint, rank))
+        return result if isinstance(result, tuple) else self._as_json(result)
+
+    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
+        """As `execute`, but a body that asks `stream` gets the server-sent events the handler yields, as `vllm serve`
+        streams them. The request reaches the engine at the stream's first step, so a stream closed before it
+        costs nothing; cancelling a step, or closing the stream after one, ends in vLLM's `generate`, which aborts
+        the request in the engine (`AsyncLLM.generate` catches CancelledError and GeneratorExit and calls `abort`;
+        on a close its generator is finalised by the event loop's async-generator hook)."""
+        result = await self._handle(endpoint, body, None)
+        if isinstance(result, tuple):
+            return result
+        if hasattr(result, "__anext__"):  # the handler's streaming path
+            return _responses_events(result) if endpoint == "/v1/responses" else result
+        return self._as_json(result)
+
+    async def _handle(self, endpoint: str, body: dict, raw_request: Request | None) -> Any:
+        """What the endpoint's handler returned, or (status, vLLM's error envelope) for a body it refused."""
         handler = self._handlers.get(endpoint)
         if handler is None:
             return self._error(NotImplementedError(f"The model does not support {endpoint}."))
@@ -163,12 +194,11 @@ class ServingLayer:
         except ValueError as exc:
             return self._error(exc)
         try:
-            result = await handler.call(request, None if rank is None else _pinned_request(endpoint, rank))
+            return await handler.call(request, raw_request)
         except self._dead_error as exc:
             raise EngineDead(str(exc)) from exc
         except Exception as exc:
             return self._error(exc)
-        return self._as_json(result)
 
     def _as_json(self, result: Any) -> tuple[int, Body]:
         if isinstance(result, self._error_response_type):
@@ -190,8 +220,10 @@ class ServingLayer:
 
         return _exposition(get_prometheus_registry())
 
-    async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
-        raise NotImplementedError("online requests: issue 29, in progress")
+    def preemptions(self) -> int | None:
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        return _preemptions(get_prometheus_registry())
 
     async def is_alive(self) -> bool:
         try:
@@ -212,6 +244,17 @@ def _pinned_request(endpoint: str, rank: int) -> Request:
     headers = [(b"x-data-parallel-rank", str(rank).encode())]
     scope = {"type": "http", "method": "POST", "path": endpoint, "query_string": b"", "headers": headers}
     return Request(scope, receive=never)
+
+
+async def _responses_events(events: AsyncGenerator[Any, None]) -> AsyncIterator[str]:
+    """The Responses API's stream, written as `vllm serve` writes it: its handler yields event objects, which the
+    route renders (vLLM's `responses/api_router._convert_stream_to_sse_events`)."""
+    try:
+        async for event in events:
+            kind = getattr(event, "type", "unknown")
+            yield f"event: {kind}\ndata: {event.model_dump_json(indent=None, by_alias=True)}\n\n"
+    finally:
+        await events.aclose()
 
 
 def _embedding_request_type(serving: Any) -> type:
@@ -299,6 +342,7 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
                 engine_config=_engine_config(launched.config),
                 generated_tokens=lambda: _generation_tokens(get_prometheus_registry()),
                 metrics_text=lambda: _exposition(get_prometheus_registry()),
+                preemptions=lambda: _preemptions(get_prometheus_registry()),
             )
             try:
                 try:
@@ -327,6 +371,7 @@ def _engine_config(config: typing.Any) -> dict[str, object]:
         "tensor_parallel_size": parallel.tensor_parallel_size,
         "data_parallel_size": parallel.data_parallel_size,
         "dtype": str(config.model_config.dtype).removeprefix("torch."),
+        "scheduling_policy": str(scheduler.policy),
     }
 
 
@@ -423,9 +468,20 @@ def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, cli
 
 
 def _generation_tokens(registry: Any) -> int | None:
+    return _counter_total(registry, "vllm:generation_tokens")
+
+
+def _preemptions(registry: Any) -> int | None:
+    """vLLM counts a preemption per request each time the scheduler takes its KV blocks back (`vllm:num_preemptions`;
+    its per-request `vllm:request_num_preemptions` histogram carries no priority, so the total is what there is)."""
+    return _counter_total(registry, "vllm:num_preemptions")
+
+
+def _counter_total(registry: Any, name: str) -> int | None:
+    """A counter of vLLM's registry summed over its engines (None: not there)."""
     total, seen = 0.0, False
     for metric in registry.collect():
-        if metric.name == "vllm:generation_tokens":
+        if metric.name == name:
             for sample in metric.samples:
                 if sample.name.endswith("_total"):
                     total, seen = total + sample.value, True
@@ -446,3 +502,7 @@ def apply_batch_defaults(args: argparse.Namespace) -> None:
     # Per-request logging would write every prompt to the log.
     if hasattr(args, "enable_log_requests"):
         args.enable_log_requests = False
+    # Online requests are scheduled (and preempt) ahead of batch lines by their priority (`app.domain.online`);
+    # under `fcfs` vLLM ignores priorities, and the engine then takes requests in the order they come.
+    if isinstance(getattr(args, "scheduling_policy", None), _DefaultPolicy):
+        args.scheduling_policy = PRIORITY_POLICY

@@ -171,6 +171,7 @@ def test_files_and_engine_pages(open_server, page):
     expect(page.locator("#models")).to_have_text("fake-model")
     expect(page.locator("#engine-config")).to_contain_text("max_num_seqs")
     expect(page.locator("#health")).to_have_text("ok")
+    expect(page.locator("#online-rates")).to_contain_text("Online requests")
 
 
 def log_in(page: Page, server: VbatchServer, key: str) -> None:

@@ -1,0 +1,211 @@
+"""The batch's in-flight window: how many batch lines vbatch keeps in the engine at once, which gives way to online
+requests (`app.domain.online`) while they need room and takes every slot back once they stop.
+
+Why a window on top of priorities. vLLM's v1 scheduler (vllm 0.32, `vllm/v1/core/sched/scheduler.py`,
+`Scheduler.schedule`) admits a waiting request only while `len(self.running)` is below `max_num_active_reqs`
+(max_num_seqs unless `max_num_active_seqs` is set): the loop "Next, schedule the WAITING requests" breaks at
+`num_running >= self.max_num_active_reqs`. Under `--scheduling-policy priority` the waiting queue is a
+`PriorityRequestQueue` ordered by (priority, arrival time), so an online request is the first waiting one let in,
+but only once a running slot frees: it preempts nobody for a slot. Priority preemption happens in one place, when
+`kv_cache_manager.allocate_slots` finds no KV block for a request already running; the victim is
+`max(self.running, key=lambda r: (r.priority, r.arrival_time))`, a batch line before any online request of the
+default or priority tier. A waiting
+request that finds no block just waits (`break`), no waiting request is admitted in a step that preempted, and the
+running requests take the step's token budget before any waiting prefill. So with every max_num_seqs slot held by
+batch lines, an online request waits for a batch line to finish, however good its priority. The window, at most
+`max_in_flight` (two waves by default: one running, one queued in the engine), leaves running slots free while
+online traffic needs them, and only then.
+
+The rule, applied every `TICK_SECONDS` on the engine loop from what the online path reports (`online_arrived`,
+`online_first_token`, `online_done`):
+- no online request in flight nor arrived in the last `QUIET_SECONDS`: the window is `max_in_flight` at once, the
+  batch filling every idle slot;
+- else, the `PERCENTILE` time to first token of the online requests whose first token came in the last
+  `RECENT_SECONDS` and that arrived after the window last shrank (a shrink is judged only on requests that came
+  after it), above the target: the window shrinks by `SHRINK`;
+- at or under the target: it grows by `grow_step` (a sixteenth of a wave) a tick; with no such request measured yet
+  it holds, unless no online request has arrived for `QUIET_SECONDS` (only long ones left running), when it grows.
+It never goes below its floor: one wave less twice the online requests in flight (their own slots, and as many
+free again for those arriving before the next tick), and never below an eighth of a wave, so batches always
+progress. Shrinking cancels nothing: lines in flight finish, and fewer start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from types import TracebackType
+from typing import NamedTuple
+
+from app.core import clock
+
+TICK_SECONDS = 0.25
+QUIET_SECONDS = 3.0
+RECENT_SECONDS = 5.0
+PERCENTILE = 0.9
+SHRINK = 0.5
+# Recent first-token times kept at most: enough for a percentile under a thousand concurrent streams.
+MAX_SAMPLES = 4096
+
+
+class WindowSize(NamedTuple):
+    """The window now and the most it may be (`max_in_flight`): what the console and /metrics show."""
+
+    size: int
+    max_size: int
+
+
+class OnlineTraffic:
+    """What the window knows of online requests: how many are in flight, when the last one arrived, and the time to
+    first token of those whose first token came in the last `RECENT_SECONDS`."""
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self._now = now
+        self.in_flight = 0
+        self.last_arrival = -math.inf
+        self._first_tokens: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (when it came, seconds)
+
+    def arrived(self) -> None:
+        self.in_flight += 1
+        self.last_arrival = self._now()
+
+    def first_token(self, seconds: float) -> None:
+        self._first_tokens.append((self._now(), seconds))
+
+    def done(self) -> None:
+        self.in_flight = max(0, self.in_flight - 1)  # a report without its arrival must not leave the count negative
+
+    def quiet_for(self, now: float) -> float:
+        return now - self.last_arrival
+
+    def first_token_percentile(self, arrived_since: float) -> float | None:
+        """The `PERCENTILE` time to first token of the requests that arrived since then (None: none measured)."""
+        while self._first_tokens and self._first_tokens[0][0] < self._now() - RECENT_SECONDS:
+            self._first_tokens.popleft()
+        seconds = sorted(ttft for came, ttft in self._first_tokens if came - ttft >= arrived_since)
+        if not seconds:
+            return None
+        return seconds[min(len(seconds) - 1, math.ceil(PERCENTILE * len(seconds)) - 1)]
+
+
+class BatchWindow:
+    """A semaphore over batch lines whose size moves between its floor and `max_size` (`async with window:` takes
+    one place, as `asyncio.Semaphore` does); `ttft_target_seconds` 0 keeps it at `max_size`. Used on the engine
+    loop only; `size` may be read from any thread."""
+
+    def __init__(
+        self, *, max_size: int, wave: int, ttft_target_seconds: float, now: Callable[[], float] | None = None
+    ) -> None:
+        now = now or (lambda: clock.monotonic())  # looked up at each call: a test may drive `clock.monotonic`
+        self.max_size = max_size
+        self.size = max_size
+        self.wave = wave
+        self.ttft_target_seconds = ttft_target_seconds
+        self.held = 0  # batch lines in flight now: above `size` for a while after a shrink
+        self.online = OnlineTraffic(now)
+        self._now = now
+        self._shrunk_at = -math.inf
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    @property
+    def numbers(self) -> WindowSize:
+        return WindowSize(self.size, self.max_size)
+
+    @property
+    def floor(self) -> int:
+        least = max(1, self.wave // 8)
+        return min(self.max_size, max(least, self.wave - 2 * self.online.in_flight))
+
+    @property
+    def grow_step(self) -> int:
+        return max(1, self.wave // 16)
+
+    # The online path's reports, on the engine loop.
+
+    def online_arrived(self) -> None:
+        self.online.arrived()
+
+    def online_first_token(self, seconds: float) -> None:
+        self.online.first_token(seconds)
+
+    def online_done(self) -> None:
+        self.online.done()
+
+    # The semaphore.
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    async def acquire(self) -> None:
+        if self.held < self.size and not self._waiters:
+            self.held += 1
+            return
+        place = asyncio.get_running_loop().create_future()
+        self._waiters.append(place)
+        try:
+            await place
+        except asyncio.CancelledError:
+            if place.done() and not place.cancelled():  # given a place as it was cancelled: it goes to the next
+                self.release()
+            else:
+                self._waiters.remove(place)
+            raise
+
+    def release(self) -> None:
+        self.held -= 1
+        self._let_in()
+
+    def resize(self, size: int) -> None:
+        self.size = size
+        self._let_in()
+
+    def _let_in(self) -> None:
+        while self._waiters and self.held < self.size:
+            place = self._waiters.popleft()
+            if not place.done():
+                self.held += 1
+                place.set_result(None)
+
+    # The controller.
+
+    def tick(self) -> int:
+        """Set the size by the rule (module docstring); returns it."""
+        self.resize(min(self.max_size, max(self.floor, self._wanted())))
+        return self.size
+
+    def _wanted(self) -> int:
+        now = self._now()
+        quiet_for = self.online.quiet_for(now)
+        if self.ttft_target_seconds <= 0 or (self.online.in_flight == 0 and quiet_for >= QUIET_SECONDS):
+            return self.max_size
+        first_token = self.online.first_token_percentile(arrived_since=self._shrunk_at)
+        if first_token is not None and first_token > self.ttft_target_seconds:
+            self._shrunk_at = now
+            return int(self.size * SHRINK)
+        if first_token is not None or quiet_for >= QUIET_SECONDS:
+            return self.size + self.grow_step
+        return self.size
+
+    @asynccontextmanager
+    async def adapting(self) -> AsyncIterator[None]:
+        """Ticks every `TICK_SECONDS` while the context is open (the engine loop's scheduling)."""
+
+        async def ticks() -> None:
+            while True:
+                await asyncio.sleep(TICK_SECONDS)
+                self.tick()
+
+        ticking = asyncio.create_task(ticks())
+        try:
+            yield
+        finally:
+            ticking.cancel()
+            await asyncio.gather(ticking, return_exceptions=True)

@@ -1,0 +1,136 @@
+"""Online requests on a real engine (CPU vLLM, SmolLM2), through the engine service as `vbatch serve` builds it, in
+this process: its API-side `respond` on the test's own event loop, the engine on its thread. One engine start for
+the module; the session's shared server is left alone."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.domain.online import OnlineAnswer
+from app.engine import online
+from app.engine.service import EngineService
+from app.launch import service_app
+from tests.e2e.conftest import MODEL, STARTUP_SECONDS, engine_flags
+
+CHAT = "/v1/chat/completions"
+RUNNING = re.compile(rb"^vllm:num_requests_running(\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory, model_path) -> Iterator[EngineService]:
+    data = tmp_path_factory.mktemp("online-engine") / "data"
+    app, _ = service_app(["--data-dir", str(data), *engine_flags(model_path)], "serve")
+    engine: EngineService = app.state.engine
+    with TestClient(app):
+        deadline = time.monotonic() + STARTUP_SECONDS
+        while engine.state != "ok":
+            assert engine.state in ("starting", "restarting") and time.monotonic() < deadline, engine.state
+            time.sleep(0.5)
+        yield engine
+
+
+def chat(content: str, **fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
+
+
+def running_requests(service: EngineService) -> float:
+    """vLLM's own gauge, summed over its engines, as `vllm serve`'s /metrics has it."""
+    return sum(float(value) for _, value in RUNNING.findall(service.metrics_text()))
+
+
+async def until(condition, timeout: float = 120.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.05)
+
+
+def payloads(events: list[bytes]) -> list[str]:
+    text = b"".join(events).decode()
+    assert text.endswith("\n\n")
+    return [block.removeprefix("data: ") for block in text.split("\n\n") if block]
+
+
+def test_the_engine_schedules_online_requests_ahead_of_batch_lines(service):
+    assert service.engine_config["scheduling_policy"] == "priority"
+
+
+@pytest.mark.parametrize(
+    ("flags", "policy"),
+    [([], "priority"), (["--scheduling-policy", "fcfs"], "fcfs"), (["--scheduling_policy=priority"], "priority")],
+)
+def test_a_scheduling_policy_the_user_names_wins(flags, policy):
+    from app.engine.vllm_adapter import apply_batch_defaults, serve_parser
+
+    args = serve_parser("vbatch serve").parse_args(flags)
+    apply_batch_defaults(args)
+    assert args.scheduling_policy == policy
+
+
+def test_a_streamed_chat_answer_is_vllms_server_sent_events(service):
+    async def scenario() -> tuple[OnlineAnswer, list[bytes]]:
+        answer = await service.respond(CHAT, chat("Count to five.", stream=True, max_tokens=16))
+        assert answer.events is not None
+        return answer, [event async for event in answer.events]
+
+    answer, events = asyncio.run(scenario())
+    assert answer.status == 200
+    data = payloads(events)
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(payload) for payload in data[:-1]]
+    assert {chunk["object"] for chunk in chunks} == {"chat.completion.chunk"}
+    assert "".join(chunk["choices"][0]["delta"].get("content") or "" for chunk in chunks if chunk["choices"])
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_json_answers_and_a_refused_stream_are_vllms_bodies(service):
+    answer = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=4, service_tier="flex")))
+    assert answer.status == 200 and answer.body is not None and answer.body["object"] == "chat.completion"
+    refused = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=-1, stream=True)))
+    assert refused.status == 400 and refused.events is None and refused.body is not None
+    assert refused.body["error"]["type"] == "BadRequestError"
+
+
+def test_a_responses_stream_is_written_as_vllm_serve_writes_it(service):
+    async def scenario() -> list[bytes]:
+        body = {"model": MODEL, "input": "Say yes.", "stream": True, "max_output_tokens": 8}
+        answer = await service.respond("/v1/responses", body)
+        assert answer.status == 200 and answer.events is not None, answer.body
+        return [event async for event in answer.events]
+
+    blocks = [block for block in b"".join(asyncio.run(scenario())).decode().split("\n\n") if block]
+    kinds = [block.split("\n")[0].removeprefix("event: ") for block in blocks]
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    last = json.loads(blocks[-1].split("\n", 1)[1].removeprefix("data: "))
+    assert last["type"] == "response.completed" and last["response"]["status"] in ("completed", "incomplete")
+
+
+@pytest.mark.parametrize("closed_when", ["after its first chunk", "with the engine side waiting for room"])
+def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
+    """Closed while the engine side waits for the next token (its cancel reaches vLLM's `generate`), or while it
+    waits for the reader to make room (the stream is closed at a chunk: vLLM's generator is finalised)."""
+    length = 1500  # tokens: half a minute of this CPU's time, so only an abort ends it sooner
+
+    async def scenario() -> int:
+        before = service.live.generated_tokens() or 0
+        answer = await service.respond(
+            CHAT, chat("Write a long story.", stream=True, max_tokens=length, ignore_eos=True)
+        )
+        assert answer.events is not None
+        first = await anext(answer.events)
+        assert first.startswith(b"data: ")
+        await until(lambda: running_requests(service) >= 1)
+        if closed_when != "after its first chunk":
+            await until(lambda: (service.live.generated_tokens() or 0) - before > online.STREAM_ROOM + 16)
+        await answer.events.aclose()  # type: ignore[attr-defined]
+        await until(lambda: running_requests(service) == 0)
+        return (service.live.generated_tokens() or 0) - before
+
+    generated = asyncio.run(scenario())
+    assert 0 < generated < length  # stopped by the abort, not by its length

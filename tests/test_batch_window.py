@@ -1,0 +1,242 @@
+"""The batch's in-flight window (`app.engine.window`): it shrinks while online requests miss their time-to-first-token
+target, holds its floor, grows back when they stop, and shrinking cancels no line in flight. The rule is driven by
+hand on a clock the test moves; the batch runs on the fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.core import clock
+from app.engine.metrics import Metrics
+from app.engine.service import EngineService
+from app.engine.window import QUIET_SECONDS, BatchWindow, WindowSize
+from app.testing import FakeEngine, FakeExecutor
+from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+
+TARGET = 0.5  # seconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def window_of(*, wave: int = 16, max_size: int = 32, target: float = TARGET) -> tuple[BatchWindow, Clock]:
+    moved = Clock()
+    return BatchWindow(max_size=max_size, wave=wave, ttft_target_seconds=target, now=moved), moved
+
+
+def online(window: BatchWindow, moved: Clock, *, first_token: float, then: float = 0.25) -> None:
+    """An online request arrives, has its first token `first_token` seconds later, and the clock moves on."""
+    window.online_arrived()
+    moved.now += first_token
+    window.online_first_token(first_token)
+    moved.now += then
+
+
+def test_shrinks_by_half_on_fresh_misses_only_and_holds_its_floor():
+    window, moved = window_of()
+    assert window.tick() == 32  # nothing online: every place is the batch's
+    online(window, moved, first_token=2.0)
+    online(window, moved, first_token=2.0)
+    assert window.tick() == 16
+    assert window.tick() == 16  # the same misses again: nothing measured since the shrink, so it holds
+    online(window, moved, first_token=1.0)  # arrived after the shrink, still over the target
+    # Floor: a wave (16) less twice the 3 online requests in flight.
+    assert window.floor == 10
+    assert window.tick() == 10
+    for _ in range(5):
+        online(window, moved, first_token=1.0)
+        window.online_done()  # each comes and goes: 3 stay in flight
+        assert window.tick() == 10  # misses go on, the floor holds
+
+
+def test_the_floor_never_leaves_batches_less_than_an_eighth_of_a_wave():
+    window, moved = window_of()
+    for _ in range(20):
+        online(window, moved, first_token=5.0, then=0.0)
+        moved.now += 0.25
+        window.tick()
+    assert window.online.in_flight == 20
+    assert window.size == window.floor == 2
+
+
+def test_grows_a_step_a_tick_under_the_target_and_back_to_the_most_once_online_traffic_stops():
+    window, moved = window_of()
+    online(window, moved, first_token=2.0)
+    assert window.tick() == 16
+    sizes = []
+    for _ in range(4):
+        online(window, moved, first_token=0.1)
+        sizes.append(window.tick())
+    assert sizes == [17, 18, 19, 20]  # a sixteenth of a wave a tick
+    for _ in range(5):
+        window.online_done()
+    assert window.online.in_flight == 0
+    moved.now += QUIET_SECONDS - 0.5
+    assert window.tick() == 21  # none in flight, but one arrived moments ago: it grows, a step
+    moved.now += 0.5
+    assert window.tick() == 32  # quiet: the batch takes every place back at once
+
+
+def test_online_requests_not_yet_measured_hold_the_window_and_long_ones_alone_let_it_grow():
+    window, moved = window_of()
+    online(window, moved, first_token=2.0)
+    assert window.tick() == 16
+    window.online_arrived()  # waiting for its first token: nothing says the shrink was enough
+    moved.now += 1.0
+    assert window.tick() == 16
+    moved.now += QUIET_SECONDS  # only long requests in flight, none arriving: no sign of pressure
+    assert window.tick() == 17
+
+
+def test_a_target_of_zero_keeps_the_window_at_its_most():
+    window, moved = window_of(target=0)
+    online(window, moved, first_token=30.0)
+    assert window.tick() == 32
+
+
+def test_a_shrink_lets_fewer_in_and_takes_none_back():
+    asyncio.run(_shrink_lets_fewer_in_and_takes_none_back())
+
+
+async def _shrink_lets_fewer_in_and_takes_none_back() -> None:
+    window, _ = window_of(wave=4, max_size=4)
+    for _ in range(4):
+        await window.acquire()
+    window.resize(2)
+    assert window.held == 4  # the lines in flight keep their places
+    entering = asyncio.create_task(window.acquire())
+    given_up = asyncio.create_task(window.acquire())
+    await asyncio.sleep(0)
+    given_up.cancel()
+    await asyncio.gather(given_up, return_exceptions=True)
+    window.release()
+    window.release()
+    assert not entering.done() and window.held == 2  # still at the new size
+    window.release()
+    await entering  # under the size: the first waiter is let in, and the cancelled one took no place
+    assert window.held == 2
+    window.resize(4)
+    async with window:
+        assert window.held == 3
+
+
+class OneByOne(FakeExecutor):
+    """Answers a line only when the test lets one go; counts the lines in the engine at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.finish = asyncio.Semaphore(0)
+        self.in_engine = 0
+        self.peak_since_mark = 0
+        self.entered_since_mark = 0
+        self.aborted = 0
+
+    def mark(self) -> None:
+        self.peak_since_mark = self.entered_since_mark = 0
+
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+        self.in_engine += 1
+        self.entered_since_mark += 1
+        self.peak_since_mark = max(self.peak_since_mark, self.in_engine)
+        try:
+            await self.finish.acquire()
+            return await super().execute(endpoint, body, rank)
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.in_engine -= 1
+
+
+def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewer_and_ends_every_line_once(
+    settings, monkeypatch
+):
+    moved = Clock()
+    monkeypatch.setattr(clock, "monotonic", moved)
+    engine = FakeEngine()
+    executor = engine.executor = OneByOne()
+    with app_on(settings, engine) as client:
+        service: EngineService = client.app.state.engine
+        batch = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(20)]))["id"])
+        wait_for(lambda: executor.in_engine == 8)  # two waves of the fake engine's 4
+        window = service._ctx.window  # type: ignore[union-attr]
+        on_engine_loop = service._loop.call_soon_threadsafe  # type: ignore[union-attr]
+
+        def one_online_request_misses_the_target() -> None:
+            window.online_arrived()
+            window.online_first_token(2.0)
+            executor.mark()
+
+        on_engine_loop(one_online_request_misses_the_target)
+        wait_for(lambda: service.batch_window == WindowSize(4, 8))  # the engine loop's own tick shrank it
+        assert executor.in_engine == 8 and executor.aborted == 0  # nothing in flight was taken back
+        for answered in range(1, 5):
+            on_engine_loop(executor.finish.release)
+            wait_for(lambda answered=answered: executor.generated == answered and executor.in_engine == 8 - answered)
+        assert executor.entered_since_mark == 0  # four finished, none started: the window is full at 4
+        on_engine_loop(executor.finish.release)
+        wait_for(lambda: executor.generated == 5 and executor.entered_since_mark == 1)
+        assert executor.in_engine == 4
+
+        def online_traffic_stops() -> None:
+            window.online_done()
+            moved.now += QUIET_SECONDS
+
+        on_engine_loop(online_traffic_stops)
+        wait_for(lambda: service.batch_window == WindowSize(8, 8))
+        wait_for(lambda: executor.in_engine == 8)  # the batch fills every place again
+        assert executor.peak_since_mark == 8
+        for _ in range(15):
+            on_engine_loop(executor.finish.release)
+        done = wait_status(client, batch["id"], {"completed"})
+        assert done["request_counts"] == {"total": 20, "completed": 20, "failed": 0}
+        answered_ids = Counter(line["custom_id"] for line in read_jsonl(client, done["output_file_id"]))
+        assert answered_ids == Counter(f"r{i}" for i in range(20))
+        assert executor.aborted == 0
+
+
+def test_the_window_and_the_preemptions_are_on_metrics(client, engine_service, fake_engine):
+    def scraped() -> dict[str, float]:
+        text = client.get("/metrics").text
+        return {sample.name: sample.value for f in text_string_to_metric_families(text) for sample in f.samples}
+
+    now = wait_for(lambda: (seen := scraped()).get("vbatch_batch_window") is not None and seen)
+    assert now["vbatch_batch_window"] == now["vbatch_batch_window_max"] == 8
+    assert now["vbatch_batch_preemptions_total"] == 0
+    assert engine_service.batch_window == WindowSize(8, 8)  # what the console's engine page reads
+    fake_engine.executor.preemptions = 3
+    assert scraped()["vbatch_batch_preemptions_total"] == 3
+
+
+def test_no_window_series_before_an_engine_serves():
+    metrics = Metrics()
+    assert b"vbatch_batch_window" not in generate_latest(metrics.registry)
+    metrics.watch_window(lambda: (5, 9), lambda: None)
+    text = generate_latest(metrics.registry).decode()
+    assert "vbatch_batch_window 5.0" in text and "vbatch_batch_window_max 9.0" in text
+    assert "vbatch_batch_preemptions" not in text  # an engine that does not say is not shown as 0
+
+
+def test_the_preemptions_are_vllms_counter_summed_over_its_engines():
+    from prometheus_client import CollectorRegistry
+    from prometheus_client import Counter as PromCounter
+
+    from app.engine.vllm_adapter import _preemptions
+
+    registry = CollectorRegistry()
+    # As vLLM's PrometheusStatLogger makes it: one child per engine, made at start.
+    counter = PromCounter("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                          ["model_name", "engine"], registry=registry)  # fmt: skip
+    assert _preemptions(registry) is None
+    counter.labels("m", "0").inc(2)
+    counter.labels("m", "1").inc(3)
+    assert _preemptions(registry) == 5
