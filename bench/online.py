@@ -125,13 +125,15 @@ class Window:
         return (series_total(self.after, name) or 0.0) - (series_total(self.before, name) or 0.0)
 
     def batch_rate(self) -> dict:
+        """The batch's output tokens/s: None where /metrics has no engine counter (the fake engine)."""
         engine = self.delta(GENERATED)
         online = tokens_between(self.answers, self.start, self.end)
+        counted = series_total(self.after, GENERATED) is not None
         return {
             "window_s": round(self.seconds, 2),
             "engine_output_tokens": int(engine),
             "online_tokens_in_window": online,
-            "output_tokens_per_s": round((engine - online) / self.seconds, 1),
+            "output_tokens_per_s": round((engine - online) / self.seconds, 1) if counted else None,
             "preemptions": int(self.delta("vllm:num_preemptions_total")),
             "samples": self.samples,
         }
