@@ -16,7 +16,9 @@ side, and not cut into waves as a count of finished lines would be.
 
 GPU (one device call within 600 s: durations are flags, and windows shrink to end before --deadline):
   . .gpu/bin/env.sh && PYTHONPATH=$PWD:$PYTHONPATH python3 -m bench.online --model $BENCH_MODEL --out /tmp/o \\
-      --results $OUT/online.json
+      --results $OUT/online.json [--meta '{"machine": "...", "commit": "..."}']
+  (defaults: 4 requests/s, 40 s online windows, 20 s of the batch alone, 20,000 tickets at max 256, a 570 s
+  deadline; the plan printed first says what each side is expected to take)
 CPU (tiny):
   .venv/bin/python -m bench.online --model data/models/SmolLM2-135M-Instruct --no-dummy --eager \\
       --max-model-len 2048 --rate 1 --seconds 20 --alone-seconds 5 --ramp 1 --tickets 48 --max-tokens 32 \\
@@ -468,7 +470,7 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--sides", default="vbatch,alone,vllm_serve", help="in this order (the first starts cold)")
     parser.add_argument("--rate", type=float, default=4.0, help="online requests a second (Poisson)")
     parser.add_argument("--seconds", type=float, default=40.0, help="the online window of each side")
-    parser.add_argument("--alone-seconds", type=float, default=25.0, help="vbatch side: the batch with no online")
+    parser.add_argument("--alone-seconds", type=float, default=20.0, help="vbatch side: the batch with no online")
     parser.add_argument("--ramp", type=float, default=5.0, help="from the batch's first requests to the windows")
     parser.add_argument("--tail", type=float, default=30.0, help="how long online requests may run past a window")
     parser.add_argument("--prompt-words", type=int, default=180, help="random words a prompt (~200 tokens)")
@@ -503,8 +505,8 @@ def main() -> None:
           + f"; total ~{sum(expected.values()):.0f} s, deadline {args.deadline:.0f} s", flush=True)  # fmt: skip
     if sum(expected.values()) > args.deadline:
         print("the plan is over the deadline: the last side's windows will be shortened to fit", flush=True)
-    meta = {**json.loads(args.meta), **{k: str(v) for k, v in vars(args).items()}, "online_requests": len(schedule),
-            "plan_s": expected}  # fmt: skip
+    settings = {key: str(value) for key, value in vars(args).items() if key != "meta"}
+    meta = {**json.loads(args.meta), **settings, "online_requests": len(schedule), "plan_s": expected}
     results = SideResults(args.results, meta)
     results.data["requests"] = {}
     for name in args.sides.split(","):
