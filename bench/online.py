@@ -237,6 +237,8 @@ class BatchPusher:
             self.process.kill()
             self.process.join()
             raise RuntimeError("the batch client did not stop within 60 s")
+        if not self.records.exists():
+            raise RuntimeError(f"the batch client ended without its records (exit code {self.process.exitcode})")
         return json.loads(self.records.read_text())
 
 

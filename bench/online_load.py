@@ -250,6 +250,10 @@ def push_batch(url: str, tickets: str, concurrency: int, stop: Any, records: str
     """In a process of its own, so that its work never delays the online client: keeps `concurrency`
     non-streamed requests in flight, each line of the tickets file once, until `stop` (an Event) is set; writes
     [finished_at, completion_tokens] of every answer, the failures, and whether the file ran out, to `records`."""
+    import resource
+
+    _, most = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per request in flight: 2,048 by default
+    resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     bodies = [json.loads(line)["body"] for line in Path(tickets).read_text().splitlines()]
     Path(records).write_text(json.dumps(asyncio.run(_push(url, bodies, concurrency, stop))))
 

@@ -41,60 +41,74 @@ def online(window: BatchWindow, moved: Clock, *, first_token: float, then: float
     moved.now += then
 
 
-def test_shrinks_by_half_on_fresh_misses_only_and_holds_its_floor():
+def test_online_traffic_caps_the_window_a_wave_less_room_for_it_at_once():
+    window, _ = window_of()
+    assert window.tick() == 32  # nothing online: every place is the batch's, a wave queued in the engine
+    window.online_arrived()  # not yet measured: no queue of batch lines for it to wait behind
+    assert window.tick() == 14  # a wave (16) less twice the one online request in flight
+    window.online_arrived()
+    window.online_arrived()
+    assert window.tick() == 10  # three in flight: six places kept free
+
+
+def test_shrinks_by_half_on_fresh_misses_only_and_never_below_an_eighth_of_a_wave():
     window, moved = window_of()
-    assert window.tick() == 32  # nothing online: every place is the batch's
     online(window, moved, first_token=2.0)
     online(window, moved, first_token=2.0)
-    assert window.tick() == 16
-    assert window.tick() == 16  # the same misses again: nothing measured since the shrink, so it holds
+    assert window.tick() == 12  # under the ceiling (16 less 4), which a half of 32 is not
+    assert window.tick() == 12  # the same misses again: nothing measured since the shrink, so it holds
     online(window, moved, first_token=1.0)  # arrived after the shrink, still over the target
-    # Floor: a wave (16) less twice the 3 online requests in flight.
-    assert window.floor == 10
-    assert window.tick() == 10
-    for _ in range(5):
+    assert window.tick() == 6
+    sizes = []
+    for _ in range(3):
         online(window, moved, first_token=1.0)
         window.online_done()  # each comes and goes: 3 stay in flight
-        assert window.tick() == 10  # misses go on, the floor holds
+        sizes.append(window.tick())
+    assert sizes == [3, 2, 2]  # an eighth of the wave is the least
 
 
-def test_the_floor_never_leaves_batches_less_than_an_eighth_of_a_wave():
+def test_many_online_requests_leave_batches_an_eighth_of_a_wave():
     window, moved = window_of()
     for _ in range(20):
         online(window, moved, first_token=5.0, then=0.0)
         moved.now += 0.25
         window.tick()
     assert window.online.in_flight == 20
-    assert window.size == window.floor == 2
+    assert window.size == window.least == window.ceiling == 2
 
 
-def test_grows_a_step_a_tick_under_the_target_and_back_to_the_most_once_online_traffic_stops():
+def test_grows_a_step_a_tick_under_the_target_up_to_its_ceiling_and_back_to_the_most_once_traffic_stops():
     window, moved = window_of()
-    online(window, moved, first_token=2.0)
-    assert window.tick() == 16
-    sizes = []
-    for _ in range(4):
-        online(window, moved, first_token=0.1)
-        sizes.append(window.tick())
-    assert sizes == [17, 18, 19, 20]  # a sixteenth of a wave a tick
-    for _ in range(5):
+    for _ in range(2):
+        online(window, moved, first_token=2.0)
         window.online_done()
-    assert window.online.in_flight == 0
+        window.tick()
+    assert window.size == 7  # 14, then half
+    sizes = []
+    for _ in range(9):
+        online(window, moved, first_token=0.1)
+        window.online_done()
+        sizes.append(window.tick())
+    # A sixteenth of a wave a tick, up to the ceiling: with none in flight, a wave less one step (16 less 1).
+    assert sizes == [8, 9, 10, 11, 12, 13, 14, 15, 15]
     moved.now += QUIET_SECONDS - 0.5
-    assert window.tick() == 21  # none in flight, but one arrived moments ago: it grows, a step
+    assert window.tick() == 15  # none in flight, but one arrived moments ago: still under the ceiling
     moved.now += 0.5
     assert window.tick() == 32  # quiet: the batch takes every place back at once
 
 
 def test_online_requests_not_yet_measured_hold_the_window_and_long_ones_alone_let_it_grow():
     window, moved = window_of()
-    online(window, moved, first_token=2.0)
-    assert window.tick() == 16
+    for _ in range(3):
+        online(window, moved, first_token=2.0)
+        window.online_done()
+        window.tick()
+    assert window.size == 3  # 14, 7, 3
     window.online_arrived()  # waiting for its first token: nothing says the shrink was enough
     moved.now += 1.0
-    assert window.tick() == 16
-    moved.now += QUIET_SECONDS  # only long requests in flight, none arriving: no sign of pressure
-    assert window.tick() == 17
+    assert window.tick() == 3
+    moved.now += QUIET_SECONDS  # only a long request in flight, none arriving: no sign of pressure
+    assert window.tick() == 4
 
 
 def test_a_target_of_zero_keeps_the_window_at_its_most():
@@ -177,15 +191,16 @@ def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewe
             executor.mark()
 
         on_engine_loop(one_online_request_misses_the_target)
-        wait_for(lambda: service.batch_window == WindowSize(4, 8))  # the engine loop's own tick shrank it
+        # The engine loop's own tick shrank it: under a wave (4) less twice the online request in flight.
+        wait_for(lambda: service.batch_window == WindowSize(2, 8))
         assert executor.in_engine == 8 and executor.aborted == 0  # nothing in flight was taken back
-        for answered in range(1, 5):
+        for answered in range(1, 7):
             on_engine_loop(executor.finish.release)
             wait_for(lambda answered=answered: executor.generated == answered and executor.in_engine == 8 - answered)
-        assert executor.entered_since_mark == 0  # four finished, none started: the window is full at 4
+        assert executor.entered_since_mark == 0  # six finished, none started: the window is full at 2
         on_engine_loop(executor.finish.release)
-        wait_for(lambda: executor.generated == 5 and executor.entered_since_mark == 1)
-        assert executor.in_engine == 4
+        wait_for(lambda: executor.generated == 7 and executor.entered_since_mark == 1)
+        assert executor.in_engine == 2
 
         def online_traffic_stops() -> None:
             window.online_done()
@@ -195,7 +210,7 @@ def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewe
         wait_for(lambda: service.batch_window == WindowSize(8, 8))
         wait_for(lambda: executor.in_engine == 8)  # the batch fills every place again
         assert executor.peak_since_mark == 8
-        for _ in range(15):
+        for _ in range(13):
             on_engine_loop(executor.finish.release)
         done = wait_status(client, batch["id"], {"completed"})
         assert done["request_counts"] == {"total": 20, "completed": 20, "failed": 0}

@@ -20,14 +20,18 @@ The rule, applied every `TICK_SECONDS` on the engine loop from what the online p
 `online_first_token`, `online_done`):
 - no online request in flight nor arrived in the last `QUIET_SECONDS`: the window is `max_in_flight` at once, the
   batch filling every idle slot;
-- else, the `PERCENTILE` time to first token of the online requests whose first token came in the last
+- else it is held under its ceiling: one wave less room for online requests (twice those in flight: their own
+  slots, and as many free for those arriving before the next tick; at least `grow_step`). Above a wave, batch lines
+  queue in the engine and hold every running slot; measured on an H100 (docs/benchmarks.md, issue 29), with answers
+  of one length the slots then free in waves, and an online request waited for the next wave: seconds;
+- under the ceiling, the `PERCENTILE` time to first token of the online requests whose first token came in the last
   `RECENT_SECONDS` and that arrived after the window last shrank (a shrink is judged only on requests that came
   after it), above the target: the window shrinks by `SHRINK`;
-- at or under the target: it grows by `grow_step` (a sixteenth of a wave) a tick; with no such request measured yet
-  it holds, unless no online request has arrived for `QUIET_SECONDS` (only long ones left running), when it grows.
-It never goes below its floor: one wave less twice the online requests in flight (their own slots, and as many
-free again for those arriving before the next tick), and never below an eighth of a wave, so batches always
-progress. Shrinking cancels nothing: lines in flight finish, and fewer start.
+- at or under the target: it grows by `grow_step` (a sixteenth of a wave) a tick, up to the ceiling; with no such
+  request measured yet it holds, unless no online request has arrived for `QUIET_SECONDS` (only long ones left
+  running), when it grows.
+It never goes below an eighth of a wave (`least`), so batches always progress. Shrinking cancels nothing: lines in
+flight finish, and fewer start.
 """
 
 from __future__ import annotations
@@ -92,7 +96,7 @@ class OnlineTraffic:
 
 
 class BatchWindow:
-    """A semaphore over batch lines whose size moves between its floor and `max_size` (`async with window:` takes
+    """A semaphore over batch lines whose size moves between `least` and `max_size` (`async with window:` takes
     one place, as `asyncio.Semaphore` does); `ttft_target_seconds` 0 keeps it at `max_size`. Used on the engine
     loop only; `size` may be read from any thread."""
 
@@ -115,9 +119,14 @@ class BatchWindow:
         return WindowSize(self.size, self.max_size)
 
     @property
-    def floor(self) -> int:
-        least = max(1, self.wave // 8)
-        return min(self.max_size, max(least, self.wave - 2 * self.online.in_flight))
+    def least(self) -> int:
+        return min(self.max_size, max(1, self.wave // 8))
+
+    @property
+    def ceiling(self) -> int:
+        """The most while online traffic is about: a wave less room for it."""
+        room = max(self.grow_step, 2 * self.online.in_flight)
+        return min(self.max_size, max(self.least, self.wave - room))
 
     @property
     def grow_step(self) -> int:
@@ -178,19 +187,24 @@ class BatchWindow:
 
     def tick(self) -> int:
         """Set the size by the rule (module docstring); returns it."""
-        self.resize(min(self.max_size, max(self.floor, self._wanted())))
+        if self._quiet():
+            self.resize(self.max_size)
+        else:
+            self.resize(max(self.least, min(self.ceiling, self._wanted())))
         return self.size
+
+    def _quiet(self) -> bool:
+        if self.ttft_target_seconds <= 0:
+            return True
+        return self.online.in_flight == 0 and self.online.quiet_for(self._now()) >= QUIET_SECONDS
 
     def _wanted(self) -> int:
         now = self._now()
-        quiet_for = self.online.quiet_for(now)
-        if self.ttft_target_seconds <= 0 or (self.online.in_flight == 0 and quiet_for >= QUIET_SECONDS):
-            return self.max_size
         first_token = self.online.first_token_percentile(arrived_since=self._shrunk_at)
         if first_token is not None and first_token > self.ttft_target_seconds:
             self._shrunk_at = now
             return int(self.size * SHRINK)
-        if first_token is not None or quiet_for >= QUIET_SECONDS:
+        if first_token is not None or self.online.quiet_for(now) >= QUIET_SECONDS:
             return self.size + self.grow_step
         return self.size
 
