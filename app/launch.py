@@ -49,7 +49,13 @@ def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     prepare_engine_args(argv, args, settings)
-    return create_app(settings, EngineService(engine_factory_from(args)), Role(role)), settings
+    service = EngineService(engine_factory_from(args), models=announced_models(args))
+    return create_app(settings, service, Role(role)), settings
+
+
+def announced_models(args: argparse.Namespace) -> list[str]:
+    """The names the engine will serve, as vLLM names them: `--served-model-name`, else `--model` as given."""
+    return list(getattr(args, "served_model_name", None) or [args.model])
 
 
 def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:

@@ -44,11 +44,13 @@ log = logging.getLogger("vbatch.engine")
 class EngineService:
     """`factory` starts an engine (None: an API that never runs one, as for printing the OpenAPI document)."""
 
-    def __init__(self, factory: EngineFactory | None) -> None:
+    def __init__(self, factory: EngineFactory | None, *, models: list[str] | None = None) -> None:
+        """`models`: the names the engine will serve (`--served-model-name`, else `--model`), answered by /v1/models
+        from the start, before the engine has loaded; the engine's own list replaces them once it serves."""
         self.factory = factory
-        self.model_name: str | None = None
+        self.model_name: str | None = models[0] if models else None
         self.live = LiveEngine(self._start_engine, self._stop_engine)
-        self.served_models: list[str] = []
+        self.served_models: list[str] = list(models or [])
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
