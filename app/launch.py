@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from app.core import failpoints
 from app.core.config import Settings
+from app.domain.adapters import Adapter
 from app.engine import default_model
 from app.engine.serving import EngineFactory, poisoned
 
@@ -49,13 +50,27 @@ def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     prepare_engine_args(argv, args, settings)
-    service = EngineService(engine_factory_from(args), models=announced_models(args))
+    service = EngineService(engine_factory_from(args), models=announced_models(args), adapters=announced_adapters(args))
     return create_app(settings, service, Role(role)), settings
 
 
 def announced_models(args: argparse.Namespace) -> list[str]:
     """The names the engine will serve, as vLLM names them: `--served-model-name`, else `--model` as given."""
     return list(getattr(args, "served_model_name", None) or [args.model])
+
+
+def announced_adapters(args: argparse.Namespace) -> list[Adapter]:
+    """The LoRA adapters of `--lora-modules`, as the engine will serve them: one whose base model is not served
+    applies to the first, as vLLM takes it."""
+    models = announced_models(args)
+    return [
+        Adapter(
+            name=module.name,
+            parent=module.base_model_name if module.base_model_name in models else models[0],
+            root=str(module.path),
+        )
+        for module in getattr(args, "lora_modules", None) or []
+    ]
 
 
 def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:

@@ -16,13 +16,14 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from app.domain.adapters import Adapter
 from app.engine import frontends
 from app.engine.serving import EngineDead, Stream
 
@@ -189,9 +190,12 @@ class FakeServing:
     max_num_seqs = 4
     data_parallel_size = 1
 
-    def __init__(self, executor: FakeExecutor, scheduling_policy: str = "priority") -> None:
+    def __init__(
+        self, executor: FakeExecutor, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+    ) -> None:
         self.executor = executor
-        self.served_models = [FAKE_MODEL]
+        self.adapters = [Adapter(name=name, parent=FAKE_MODEL, root=f"/adapters/{name}") for name in adapters]
+        self.served_models = [FAKE_MODEL, *adapters]
         self.engine_config: dict[str, object] = {
             "max_model_len": 2048,
             "max_num_seqs": self.max_num_seqs,
@@ -225,10 +229,13 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts."""
+    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides."""
 
-    def __init__(self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority") -> None:
+    def __init__(
+        self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+    ) -> None:
         self.executor = FakeExecutor()
+        self.adapters = list(adapters)
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
@@ -240,20 +247,22 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor, self.scheduling_policy)
+        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 
 
 @asynccontextmanager
-async def fake_frontends(count: int) -> AsyncIterator[frontends.FrontendPool]:
+async def fake_frontends(count: int, adapters: Sequence[str] = ()) -> AsyncIterator[frontends.FrontendPool]:
     """An engine factory (`app.engine.serving.EngineFactory`, with `functools.partial`): the fake engine's serving
-    in `count` front-end processes behind a `FrontendPool`, as `vbatch serve --api-server-count` runs vLLM's, and a
-    process that stands for the engine core (kill it to kill the engine)."""
+    (with these LoRA adapters) in `count` front-end processes behind a `FrontendPool`, as `vbatch serve
+    --api-server-count` runs vLLM's, and a process that stands for the engine core (kill it to kill the engine)."""
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vbatch-fake-fe-") as folder:
         address = f"ipc://{folder}/pool"
-        processes = [spawn.Process(target=_fake_frontend, args=(address, i), daemon=True) for i in range(count)]
+        processes = [
+            spawn.Process(target=_fake_frontend, args=(address, i, list(adapters)), daemon=True) for i in range(count)
+        ]
         core = spawn.Process(target=_fake_engine_core, name="EngineCore", daemon=True)
         pool = frontends.FrontendPool(
             address=address,
@@ -280,8 +289,8 @@ def _fake_engine_core() -> None:
     signal.pause()
 
 
-def _fake_frontend(address: str, index: int) -> None:
-    asyncio.run(frontends.serve(FakeServing(FakeExecutor()), address, index))
+def _fake_frontend(address: str, index: int, adapters: list[str]) -> None:
+    asyncio.run(frontends.serve(FakeServing(FakeExecutor(), adapters=adapters), address, index))
 
 
 class VbatchServer:

@@ -10,6 +10,7 @@ from app.core.config import Settings
 from app.core.db import write_problem
 from app.core.storage import Storage
 from app.domain import batches
+from app.domain.adapters import Adapter
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
 from app.engine.metrics import key_label
@@ -18,22 +19,33 @@ from app.engine.view import EngineView
 router = APIRouter(tags=["system"])
 
 
-@router.get("/v1/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+@router.get(
+    "/v1/models",
+    response_model=ModelList,
+    response_model_exclude_none=True,
+    responses={401: {"model": ErrorResponse}},
+)
 def list_models(engine: EngineDep, _: OwnerDep) -> ModelList:
-    return ModelList(
-        data=[Model(id=name, created=engine.started_at, owned_by="vbatch") for name in engine.served_models]
-    )
+    adapters = {adapter.name: adapter for adapter in engine.adapters}
+    return ModelList(data=[_card(name, engine, adapters.get(name)) for name in engine.served_models])
 
 
 @router.get(
     "/v1/models/{model:path}",
     response_model=Model,
+    response_model_exclude_none=True,
     responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}},
 )
 def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
     if model not in engine.served_models:
         raise NotFound("Model", model, param="model", code="model_not_found")
-    return Model(id=model, created=engine.started_at, owned_by="vbatch")
+    return _card(model, engine, next((a for a in engine.adapters if a.name == model), None))
+
+
+def _card(name: str, engine: EngineView, adapter: Adapter | None) -> Model:
+    if adapter is None:
+        return Model(id=name, created=engine.started_at, owned_by="vbatch")
+    return Model(id=name, created=engine.started_at, owned_by="vbatch", parent=adapter.parent, root=adapter.root)
 
 
 @router.get(

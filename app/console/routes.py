@@ -40,6 +40,7 @@ from app.console.sessions import Session
 from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
 from app.domain import batches, files
+from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
 from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.partial_output import Kind, first_lines, open_partial
@@ -279,7 +280,9 @@ async def upload(
 
 def _check_lines(path: Path, settings, endpoint: str, engine):
     # An API replica's engine view reads the served models from the workers' beats in the database.
-    limits = Limits.from_settings(settings, endpoint=endpoint, served_models=engine.served_models)
+    limits = Limits.from_settings(
+        settings, endpoint=endpoint, served_models=engine.served_models, parents=parents(engine.adapters)
+    )
     return validate_file(path, limits)
 
 

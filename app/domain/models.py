@@ -145,6 +145,7 @@ class WorkerRow(SQLModel, table=True):
     beat_ns: int = Field(sa_type=BigInteger, index=True)
     state: str
     served_models_json: str = "[]"
+    adapters_json: str = "[]"  # the LoRA adapters among `served_models_json`, with their base models
     engine_config_json: str = "{}"
     scheduler_error: str | None = None
     engine_deaths: int = 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import accumulate
@@ -28,21 +28,36 @@ class Limits:
     max_requests: int
     max_line_bytes: int
     max_choices: int = 128
+    # Each served LoRA adapter's base model: a batch may mix a base model and its adapters (`app.domain.adapters`).
+    parents: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
-    def from_settings(cls, settings: Settings, *, endpoint: str, served_models: Iterable[str]) -> Limits:
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        endpoint: str,
+        served_models: Iterable[str],
+        parents: Mapping[str, str] | None = None,
+    ) -> Limits:
         return cls(
             endpoint=endpoint,
             served_models=frozenset(served_models),
             max_requests=settings.max_requests_per_batch,
             max_line_bytes=settings.max_line_bytes,
             max_choices=settings.max_choices_per_request,
+            parents=dict(parents or {}),
         )
+
+    def base_of(self, model: str) -> str:
+        return self.parents.get(model, model)
 
 
 @dataclass
 class Report:
     total: int = 0
+    # The batch's model: the one its lines name, or the base model when they mix it and its adapters (OpenAI allows
+    # one model a batch; vLLM runs each line on the adapter it names).
     model: str | None = None
     errors: list[BatchError] = field(default_factory=list)
     error_count: int = 0
@@ -300,14 +315,17 @@ def _model_ok(number: int, body: dict, limits: Limits, report: Report) -> bool:
         return False
     if report.model is None:
         report.model = model
-    elif model != report.model:
+    elif limits.base_of(model) != limits.base_of(report.model):
         report.add(
             "mismatched_model",
-            f"Every line must use the same model: line has {_show(model)}, earlier lines {_show(report.model)}.",
+            f"Every line must use the same model, or it and its LoRA adapters: line has {_show(model)}, earlier "
+            f"lines {_show(report.model)}.",
             line=number,
             param="body.model",
         )
         return False
+    elif model != report.model:
+        report.model = limits.base_of(model)
     return True
 
 

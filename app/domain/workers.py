@@ -6,7 +6,7 @@ those that spoke lately (`seen`), and forwards online requests to them (`app.eng
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy import delete
 from sqlalchemy.engine import Engine
@@ -14,6 +14,8 @@ from sqlmodel import col, select
 
 from app.core import clock
 from app.core.db import session_scope, write_scope
+from app.domain import adapters
+from app.domain.adapters import Adapter
 from app.domain.models import WorkerRow
 
 
@@ -28,6 +30,7 @@ class WorkerState:
     engine_deaths: int
     url: str | None = None  # its base URL, `http://host:port` (None: not to be forwarded to)
     online_in_flight: int = 0
+    adapters: list[Adapter] = field(default_factory=list)  # each also in `served_models`
 
 
 def beat(*, db: Engine, worker: WorkerState) -> None:
@@ -38,6 +41,7 @@ def beat(*, db: Engine, worker: WorkerState) -> None:
         row.beat_ns = clock.now_ns()
         row.state = worker.state
         row.served_models_json = json.dumps(worker.served_models)
+        row.adapters_json = adapters.to_json(worker.adapters)
         row.engine_config_json = json.dumps(worker.engine_config, default=str)
         row.scheduler_error = worker.scheduler_error
         row.engine_deaths = worker.engine_deaths
@@ -73,4 +77,5 @@ def _state(row: WorkerRow) -> WorkerState:
         engine_deaths=row.engine_deaths,
         url=row.url,
         online_in_flight=row.online_in_flight,
+        adapters=adapters.from_json(row.adapters_json),
     )

@@ -9,6 +9,7 @@ from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
+from app.domain.adapters import Adapter
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
@@ -22,7 +23,8 @@ class Context:
     storage: Storage
     settings: Settings
     live: LiveEngine  # the serving engine as runs see it: one executor that survives its deaths
-    served_models: list[str]
+    served_models: list[str]  # the base models, then the adapters (`adapters`)
+    adapters: list[Adapter]
     max_in_flight: int
     # Requests the engine runs at once (max_num_seqs on every data-parallel rank): a wave, for the ETA.
     wave: int

@@ -40,6 +40,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from app.domain.adapters import Adapter
 from app.domain.results import Body, EncodedBody, encode_body
 from app.engine.serving import EngineDead, Serving, Stream
 
@@ -111,6 +112,7 @@ class FrontendPool:
         self.data_parallel_size = data_parallel_size
         self.engine_config = engine_config or {"max_num_seqs": max_num_seqs, "data_parallel_size": data_parallel_size}
         self.served_models: list[str] = []
+        self.adapters: list[Adapter] = []
         # The engine cores are not the front ends' children: their clients would wait for them for ever, so the
         # pool watches them and fails what is in flight when one exits, as `vllm serve` stops when one does.
         self._engine_processes = list(engine_processes)
@@ -249,7 +251,7 @@ class FrontendPool:
             identity, payload = await self._socket.recv_multipart()
             message = pickle.loads(payload)
             if message[0] == "ready":
-                self._greet(identity, index=message[1], served_models=message[2])
+                self._greet(identity, index=message[1], served_models=message[2], adapters=message[3])
                 continue
             frontend = self._by_identity[identity]
             if message[0] == "online":
@@ -288,11 +290,12 @@ class FrontendPool:
         else:
             answer.set_exception(EngineDead(payload))
 
-    def _greet(self, identity: bytes, *, index: int, served_models: list[str]) -> None:
+    def _greet(self, identity: bytes, *, index: int, served_models: list[str], adapters: list[Adapter]) -> None:
         frontend = self._frontends[index]
         frontend.identity = identity
         self._by_identity[identity] = frontend
         self.served_models = served_models
+        self.adapters = adapters
         self._wake.set()
         if all(f.identity is not None for f in self._frontends):
             self._ready.set()
@@ -407,7 +410,7 @@ async def serve(serving: Serving, address: str, index: int) -> None:
     log.info("front end %d: serving layer ready", index)
     sender = asyncio.create_task(frontend_loop.send())
     watch = asyncio.create_task(_orphaned(index))
-    await socket.send(pickle.dumps(("ready", index, serving.served_models), protocol=5))
+    await socket.send(pickle.dumps(("ready", index, serving.served_models, serving.adapters), protocol=5))
     try:
         await frontend_loop.receive_until(watch)
     finally:

@@ -12,6 +12,7 @@ import logging
 
 from app.core.disk import is_disk_full
 from app.domain import batches, files
+from app.domain.adapters import parents
 from app.domain.input_index import InputIndex
 from app.domain.lifecycle import InvalidTransition
 from app.domain.validation import Limits, Report, validate_file
@@ -24,7 +25,9 @@ log = logging.getLogger("vbatch.runner")
 
 
 def _limits(ctx: Context, run: Run) -> Limits:
-    return Limits.from_settings(ctx.settings, endpoint=run.row.endpoint, served_models=ctx.served_models)
+    return Limits.from_settings(
+        ctx.settings, endpoint=run.row.endpoint, served_models=ctx.served_models, parents=parents(ctx.adapters)
+    )
 
 
 async def validate(ctx: Context, run: Run) -> bool:

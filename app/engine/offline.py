@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from app.domain.adapters import parents
 from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
 from app.domain.results import Outcome
@@ -51,6 +52,7 @@ async def run_file(factory: EngineFactory, *, input_path: Path, output: Path, er
         limits = Limits(
             endpoint=endpoint,
             served_models=frozenset(serving.served_models),
+            parents=parents(serving.adapters),
             max_requests=MAX_REQUESTS,
             max_line_bytes=1 << 30,
         )

@@ -23,6 +23,7 @@ from app.core import clock, logs
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import workers
+from app.domain.adapters import Adapter
 from app.domain.leases import Lease
 from app.domain.online import OnlineAnswer
 from app.domain.schemas import RunStats
@@ -44,13 +45,17 @@ log = logging.getLogger("vbatch.engine")
 class EngineService:
     """`factory` starts an engine (None: an API that never runs one, as for printing the OpenAPI document)."""
 
-    def __init__(self, factory: EngineFactory | None, *, models: list[str] | None = None) -> None:
-        """`models`: the names the engine will serve (`--served-model-name`, else `--model`), answered by /v1/models
-        from the start, before the engine has loaded; the engine's own list replaces them once it serves."""
+    def __init__(
+        self, factory: EngineFactory | None, *, models: list[str] | None = None, adapters: list[Adapter] | None = None
+    ) -> None:
+        """`models`: the names the engine will serve (`--served-model-name`, else `--model`), and `adapters` (its
+        `--lora-modules`), answered by /v1/models from the start, before the engine has loaded; the engine's own
+        lists replace them once it serves."""
         self.factory = factory
         self.model_name: str | None = models[0] if models else None
         self.live = LiveEngine(self._start_engine, self._stop_engine)
-        self.served_models: list[str] = list(models or [])
+        self.adapters: list[Adapter] = list(adapters or [])
+        self.served_models: list[str] = list(models or []) + [adapter.name for adapter in self.adapters]
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
@@ -108,6 +113,7 @@ class EngineService:
             started_at=self.started_at,
             state=self.state,
             served_models=list(self.served_models),
+            adapters=list(self.adapters),
             engine_config=dict(self.engine_config),
             scheduler_error=self.scheduler_error,
             engine_deaths=self.live.deaths,
@@ -218,6 +224,7 @@ class EngineService:
             settings=settings,
             live=self.live,
             served_models=self.served_models,
+            adapters=self.adapters,
             max_in_flight=max_in_flight,
             wave=wave,
             ranks=max(1, serving.data_parallel_size),
@@ -237,6 +244,7 @@ class EngineService:
         self._stack = AsyncExitStack()
         serving = await self._stack.enter_async_context(self.factory())
         self.served_models = serving.served_models
+        self.adapters = serving.adapters
         self.engine_config = dict(serving.engine_config)
         self.model_name = self.served_models[0]
         return serving

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
+from app.domain.adapters import Adapter
 from app.domain.results import Body
 
 log = logging.getLogger("vbatch.engine")
@@ -36,7 +37,12 @@ class Serving(Protocol):
     def data_parallel_size(self) -> int: ...
 
     @property
-    def served_models(self) -> list[str]: ...
+    def served_models(self) -> list[str]:
+        """The names a request's `model` may take: the base models first, then the LoRA adapters."""
+        ...
+
+    @property
+    def adapters(self) -> list[Adapter]: ...
 
     @property
     def engine_config(self) -> dict[str, object]:
@@ -119,6 +125,10 @@ class _Poisoned:
     @property
     def served_models(self) -> list[str]:
         return self._serving.served_models
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        return self._serving.adapters
 
     @property
     def engine_config(self) -> dict[str, object]:

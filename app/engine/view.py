@@ -15,6 +15,7 @@ from app.core import clock
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import batches, workers
+from app.domain.adapters import Adapter
 from app.domain.errors import NotFound
 from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
@@ -34,7 +35,12 @@ class EngineView(Protocol):
     @property
     def state(self) -> State: ...
     @property
-    def served_models(self) -> list[str]: ...
+    def served_models(self) -> list[str]:
+        """The base models first, then the LoRA adapters (`adapters`)."""
+        ...
+
+    @property
+    def adapters(self) -> list[Adapter]: ...
     @property
     def model_name(self) -> str | None: ...
     @property
@@ -117,6 +123,11 @@ class WorkersView:
     @property
     def served_models(self) -> list[str]:
         return list(dict.fromkeys(model for worker in self.workers() for model in worker.served_models))
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        by_name = {adapter.name: adapter for worker in self.workers() for adapter in worker.adapters}
+        return list(by_name.values())
 
     @property
     def model_name(self) -> str | None:

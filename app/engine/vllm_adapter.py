@@ -25,6 +25,7 @@ import vllm
 from starlette.datastructures import State
 from starlette.requests import Request
 
+from app.domain.adapters import Adapter
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
 from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, Stream
@@ -159,8 +160,13 @@ class ServingLayer:
 
     @property
     def served_models(self) -> list[str]:
+        """The base models first (a request that names none runs on the first), then the LoRA adapters."""
         models = self._state.openai_serving_models
-        return [m.name for m in models.base_model_paths]
+        return [m.name for m in models.base_model_paths] + [adapter.name for adapter in self.adapters]
+
+    @property
+    def adapters(self) -> list[Adapter]:
+        return served_adapters(self._state.openai_serving_models)
 
     def _error(self, exc: Exception) -> tuple[int, dict]:
         response = self._create_error_response(exc)
@@ -231,6 +237,20 @@ class ServingLayer:
         except Exception:
             return False
         return not getattr(self.engine_client, "errored", False)
+
+
+def served_adapters(models: Any) -> list[Adapter]:
+    """The LoRA adapters vLLM's `OpenAIServingModels` has loaded (`--lora-modules`, or found by a resolver at first
+    use), each with the base model its /v1/models card names as `parent`: the first one when the adapter names
+    none, as vLLM does."""
+    loaded = getattr(models, "lora_requests", None) or {}
+    # vLLM 0.32 keeps them in a dict by name; older releases kept a list.
+    requests = loaded.values() if isinstance(loaded, dict) else loaded
+    first = models.base_model_paths[0].name
+    return [
+        Adapter(name=request.lora_name, parent=request.base_model_name or first, root=str(request.lora_path))
+        for request in requests
+    ]
 
 
 def _pinned_request(endpoint: str, rank: int) -> Request:
