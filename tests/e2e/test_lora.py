@@ -1,0 +1,113 @@
+"""LoRA adapters per line on the real engine (issue 30): `vbatch serve` with vLLM's own LoRA flags and two small
+adapters of SmolLM2 written by the test session; through the openai SDK a batch mixing the base model and both
+adapters is answered line by line by the model each line names, /v1/models lists the adapters with their base
+model, and an online request runs on an adapter."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+
+from app.engine.vllm_adapter import is_cpu_build
+from app.testing import VbatchServer, free_port
+from tests.e2e.conftest import MODEL, engine_flags
+from tests.e2e.helpers import chat_line, lines_of, submit, wait_terminal
+
+STARTUP_SECONDS = 900
+RANK = 8
+# SmolLM2-135M: 30 layers of hidden size 576; 9 query heads and 3 key-value heads of 64.
+LAYERS, HIDDEN, V_OUT = 30, 576, 192
+ADAPTERS = ("a", "b")
+
+
+def write_adapter(folder: Path, base_model: Path, seed: int) -> Path:
+    """A PEFT LoRA adapter of rank 8 on q_proj and v_proj with random weights: what vLLM loads for
+    `--lora-modules` (its answers need not make sense, only come from the adapter)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True)
+    config = {
+        "peft_type": "LORA",
+        "r": RANK,
+        "lora_alpha": 16,
+        "target_modules": ["q_proj", "v_proj"],
+        "base_model_name_or_path": str(base_model),
+        "bias": "none",
+        "task_type": "CAUSAL_LM",
+    }
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer in range(LAYERS):
+        for name, out in (("q_proj", HIDDEN), ("v_proj", V_OUT)):
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=generator) * 0.01
+    save_file({key: value.to(torch.bfloat16) for key, value in tensors.items()}, folder / "adapter_model.safetensors")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def lora_server(tmp_path_factory, model_path) -> Iterator[tuple[VbatchServer, dict[str, Path]]]:
+    base = tmp_path_factory.mktemp("vbatch-lora")
+    paths = {name: write_adapter(base / f"adapter-{name}", model_path, seed) for seed, name in enumerate(ADAPTERS)}
+    flags = [*engine_flags(model_path), "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2"]
+    flags += ["--lora-modules", *(f"{name}={path}" for name, path in paths.items())]
+    if is_cpu_build():
+        flags += ["--gpu-memory-utilization", "0.15"]
+    env = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2"}
+    server = VbatchServer(base / "data", free_port(), flags, base / "serve.log", env=env)
+    try:
+        server.wait_ready(timeout=STARTUP_SECONDS)
+        yield server, paths
+    finally:
+        server.stop()
+        log = (base / "serve.log").read_text(errors="replace")
+        sys.stderr.write(f"\n--- last lines of the LoRA server log ---\n{log[-4000:]}\n")
+
+
+@pytest.fixture(scope="module")
+def client(lora_server) -> OpenAI:
+    server, _ = lora_server
+    return OpenAI(base_url=f"{server.base_url}/v1", api_key="e2e", max_retries=0, timeout=120)
+
+
+def test_a_batch_mixing_the_base_model_and_two_adapters_answers_each_line_with_the_model_it_names(client):
+    models = [MODEL, "a", "b", "a", MODEL, "b"]
+    lines = [chat_line(f"r{i}", f"Name a colour ({i}).") for i in range(len(models))]
+    for line, model in zip(lines, models, strict=True):
+        line["body"]["model"] = model
+    batch = wait_terminal(client, submit(client, lines).id)
+    assert batch.status == "completed", batch.errors
+    assert batch.model == MODEL
+    assert batch.request_counts is not None and batch.request_counts.completed == len(models)
+    answered = {row["custom_id"]: row["response"] for row in lines_of(client, batch.output_file_id)}
+    assert {custom_id: response["status_code"] for custom_id, response in answered.items()} == {
+        f"r{i}": 200 for i in range(len(models))
+    }
+    assert {custom_id: response["body"]["model"] for custom_id, response in answered.items()} == {
+        f"r{i}": model for i, model in enumerate(models)
+    }
+
+
+def test_models_lists_the_adapters_with_the_base_model_as_parent(client, lora_server):
+    _, paths = lora_server
+    listed = {model.id: model for model in client.models.list().data}
+    assert set(listed) == {MODEL, *ADAPTERS}
+    for name in ADAPTERS:
+        card = listed[name].model_dump()
+        assert (card["parent"], card["root"]) == (MODEL, str(paths[name]))
+    assert "parent" not in listed[MODEL].model_dump()
+    assert client.models.retrieve("a").model_dump()["parent"] == MODEL
+
+
+def test_an_online_request_naming_an_adapter_is_answered_by_it(client):
+    answer = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
+    assert answer.model == "b"
+    assert answer.choices[0].message.content is not None
