@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 
@@ -17,7 +16,7 @@ from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
 from app.core.errors import DomainError, Unauthenticated
 from app.domain.errors import InvalidRequest, ModelNotServed, NotFound, TooManyActive
-from app.domain.online import EngineUnavailable
+from app.domain.online import EngineUnavailable, error_event
 from app.domain.ratelimits import RateLimited
 
 log = logging.getLogger("vbatch.api")
@@ -99,8 +98,7 @@ def request_too_large(limit: int) -> APIError:
 
 def stream_error_event() -> bytes:
     """The event `vllm serve` ends a stream with when its engine fails mid-answer (the client's SDK raises it)."""
-    error = {"message": UNEXPECTED.message, "type": "InternalServerError", "param": None, "code": 500}
-    return f"data: {json.dumps({'error': error})}\n\n".encode()
+    return error_event(UNEXPECTED.message, kind="InternalServerError", code=500).encode()
 
 
 def respond(error: APIError) -> JSONResponse:

@@ -10,6 +10,7 @@ ahead. Batch lines run at `BATCH_PRIORITY`.
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -42,6 +43,13 @@ class EngineUnavailable(DomainError):
     def __init__(self, state: str) -> None:
         super().__init__(f"The engine is not serving requests now (it is {state}); try again shortly.",
                          code="engine_unavailable")  # fmt: skip
+
+
+def error_event(message: str, *, kind: str, code: int) -> str:
+    """The event vLLM ends a stream with when it fails mid-answer (`create_streaming_error_response`): its
+    ErrorResponse, which the client's SDK raises."""
+    error = {"message": message, "type": kind, "param": None, "code": code}
+    return f"data: {json.dumps({'error': error})}\n\n"
 
 
 def online_priority(body: dict) -> int:

@@ -21,7 +21,7 @@ from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 import httpx
 
 from app.core import calls
-from app.domain.online import EngineUnavailable, OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer, error_event
 from app.domain.workers import WorkerState
 
 log = logging.getLogger("vbatch.forward")
@@ -196,5 +196,4 @@ def _worker_lost_event(exc: httpx.HTTPError) -> bytes:
         message = "The worker answering this request stopped sending (no event for too long); try again."
     else:
         message = "The worker answering this request went away mid-answer; try again."
-    error = {"message": message, "type": "ServiceUnavailableError", "param": None, "code": 503}
-    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+    return error_event(message, kind="ServiceUnavailableError", code=503).encode()

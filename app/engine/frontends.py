@@ -26,7 +26,6 @@ import asyncio
 import contextlib
 import gc
 import itertools
-import json
 import logging
 import os
 import pickle
@@ -41,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from app.domain.adapters import Adapter
+from app.domain.online import error_event
 from app.domain.results import Body, EncodedBody, encode_body
 from app.engine.serving import EngineDead, Serving, Stream
 
@@ -509,7 +509,7 @@ class _FrontendLoop:
         if not started:
             self.tell((request_id, "json", (INTERNAL_ERROR, _internal_error(exc))))
             return
-        self.tell((request_id, "chunk", f"data: {json.dumps(_internal_error(exc))}\n\n"))
+        self.tell((request_id, "chunk", error_event(str(exc), kind="InternalServerError", code=INTERNAL_ERROR)))
         self.tell((request_id, "end", None))
 
     def tell(self, item: tuple) -> None:

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from app.domain.online import EngineUnavailable, OnlineAnswer, as_online
+from app.domain.online import EngineUnavailable, OnlineAnswer, as_online, error_event
 from app.domain.results import Body, EncodedBody
 from app.engine.bridge import EngineThread
 from app.engine.live import LiveEngine
@@ -135,8 +135,7 @@ def stream_error_event(error: BaseException) -> bytes:
         kind, code = "ServiceUnavailableError", 503
     else:
         message, kind, code = "The request failed in the engine.", "InternalServerError", 500
-    envelope = {"error": {"message": message, "type": kind, "param": None, "code": code}}
-    return f"data: {json.dumps(envelope)}\n\n".encode()
+    return error_event(message, kind=kind, code=code).encode()
 
 
 class OnlineRequests:
