@@ -55,16 +55,17 @@ def test_shrinks_by_half_on_fresh_misses_only_and_never_below_an_eighth_of_a_wav
     window, moved = window_of()
     online(window, moved, first_token=2.0)
     online(window, moved, first_token=2.0)
-    assert window.tick() == 12  # under the ceiling (16 less 4), which a half of 32 is not
-    assert window.tick() == 12  # the same misses again: nothing measured since the shrink, so it holds
+    assert window.size == 12  # at each arrival, at once: under the ceiling (a wave, 16, less twice those in flight)
+    assert window.tick() == 6  # half, for the misses
+    assert window.tick() == 6  # the same misses again: nothing measured since the shrink, so it holds
     online(window, moved, first_token=1.0)  # arrived after the shrink, still over the target
-    assert window.tick() == 6
+    assert window.tick() == 3
     sizes = []
-    for _ in range(3):
+    for _ in range(2):
         online(window, moved, first_token=1.0)
         window.online_done()  # each comes and goes: 3 stay in flight
         sizes.append(window.tick())
-    assert sizes == [3, 2, 2]  # an eighth of the wave is the least
+    assert sizes == [2, 2]  # an eighth of the wave is the least
 
 
 def test_many_online_requests_leave_batches_an_eighth_of_a_wave():
@@ -79,11 +80,10 @@ def test_many_online_requests_leave_batches_an_eighth_of_a_wave():
 
 def test_grows_a_step_a_tick_under_the_target_up_to_its_ceiling_and_back_to_the_most_once_traffic_stops():
     window, moved = window_of()
-    for _ in range(2):
-        online(window, moved, first_token=2.0)
-        window.online_done()
-        window.tick()
-    assert window.size == 7  # 14, then half
+    online(window, moved, first_token=2.0)
+    window.online_done()
+    window.tick()
+    assert window.size == 7  # 14 at its arrival, then half
     sizes = []
     for _ in range(9):
         online(window, moved, first_token=0.1)
@@ -99,11 +99,11 @@ def test_grows_a_step_a_tick_under_the_target_up_to_its_ceiling_and_back_to_the_
 
 def test_online_requests_not_yet_measured_hold_the_window_and_long_ones_alone_let_it_grow():
     window, moved = window_of()
-    for _ in range(3):
+    for _ in range(2):
         online(window, moved, first_token=2.0)
         window.online_done()
         window.tick()
-    assert window.size == 3  # 14, 7, 3
+    assert window.size == 3  # 14 at the first arrival, then 7, then 3
     window.online_arrived()  # waiting for its first token: nothing says the shrink was enough
     moved.now += 1.0
     assert window.tick() == 3
@@ -139,8 +139,52 @@ async def _shrink_lets_fewer_in_and_takes_none_back() -> None:
     await entering  # under the size: the first waiter is let in, and the cancelled one took no place
     assert window.held == 2
     window.resize(4)
-    async with window:
+    async with window.place():
         assert window.held == 3
+
+
+def test_arrivals_withdraw_the_youngest_running_lines_over_a_wave_once_each_down_to_the_least_and_a_target_of_zero_none():
+    asyncio.run(_arrivals_withdraw_the_youngest())
+
+
+async def _arrivals_withdraw_the_youngest() -> None:
+    async def hold_lines(window: BatchWindow, count: int) -> tuple[list[asyncio.Future], list[asyncio.Task]]:
+        requests: list[asyncio.Future] = []
+        entered = asyncio.Event()
+
+        async def line() -> None:
+            async with window.place() as place:
+                place.request = asyncio.get_running_loop().create_future()
+                requests.append(place.request)
+                if len(requests) == count:
+                    entered.set()
+                await asyncio.gather(place.request, return_exceptions=True)
+
+        lines = [asyncio.create_task(line()) for _ in range(count)]
+        await entered.wait()
+        return requests, lines
+
+    window, _ = window_of(wave=4, max_size=8)
+    requests, lines = await hold_lines(window, 6)
+    requests[5].set_result("answered")  # the youngest has its answer, not yet handed on: nothing to withdraw there
+    window.online_arrived()  # 6 lines and 1 online request for 4 seats
+    assert [r.cancelled() for r in requests] == [False, False, True, True, True, False]
+    window.online_arrived()  # the three withdrawn are still leaving: one more, not four
+    assert [r.cancelled() for r in requests] == [False, True, True, True, True, False]
+    assert window.withdrawn == 4 and window.size == window.ceiling == window.least == 1
+    for _ in range(5):
+        window.online_arrived()  # more online requests than seats: the batch keeps its least (one place here)
+    assert window.withdrawn == 5 and requests[0].cancelled() and not requests[5].cancelled()
+    await asyncio.gather(*lines)
+    assert window.held == 0
+
+    window, _ = window_of(wave=4, max_size=8, target=0)
+    requests, lines = await hold_lines(window, 8)
+    window.online_arrived()
+    assert window.withdrawn == 0 and not any(r.cancelled() for r in requests)
+    for request in requests:
+        request.set_result("answered")
+    await asyncio.gather(*lines)
 
 
 class OneByOne(FakeExecutor):
@@ -171,7 +215,7 @@ class OneByOne(FakeExecutor):
             self.in_engine -= 1
 
 
-def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewer_and_ends_every_line_once(
+def test_an_online_request_withdraws_the_youngest_batch_lines_beyond_a_wave_at_once_and_each_line_ends_once(
     settings, monkeypatch
 ):
     moved = Clock()
@@ -191,16 +235,18 @@ def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewe
             executor.mark()
 
         on_engine_loop(one_online_request_misses_the_target)
-        # The engine loop's own tick shrank it: under a wave (4) less twice the online request in flight.
-        wait_for(lambda: service.batch_window == WindowSize(2, 8))
-        assert executor.in_engine == 8 and executor.aborted == 0  # nothing in flight was taken back
-        for answered in range(1, 7):
+        # 8 batch lines and 1 online request for a wave of 4 seats: the 5 youngest lines are withdrawn at once, their
+        # requests aborted; the window is under its ceiling (4 less twice the 1 in flight), then the miss halves it.
+        wait_for(lambda: executor.in_engine == 3 and executor.aborted == 5)
+        assert window.withdrawn == 5 and executor.generated == 0
+        wait_for(lambda: service.batch_window == WindowSize(1, 8))
+        for answered in range(1, 3):
             on_engine_loop(executor.finish.release)
-            wait_for(lambda answered=answered: executor.generated == answered and executor.in_engine == 8 - answered)
-        assert executor.entered_since_mark == 0  # six finished, none started: the window is full at 2
+            wait_for(lambda answered=answered: executor.generated == answered and executor.in_engine == 3 - answered)
+        assert executor.entered_since_mark == 0  # two finished, none started: the window is full at 1
         on_engine_loop(executor.finish.release)
-        wait_for(lambda: executor.generated == 7 and executor.entered_since_mark == 1)
-        assert executor.in_engine == 2
+        wait_for(lambda: executor.generated == 3 and executor.entered_since_mark == 1)
+        assert executor.in_engine == 1
 
         def online_traffic_stops() -> None:
             window.online_done()
@@ -210,13 +256,13 @@ def test_a_running_batch_under_a_shrunk_window_finishes_its_lines_then_runs_fewe
         wait_for(lambda: service.batch_window == WindowSize(8, 8))
         wait_for(lambda: executor.in_engine == 8)  # the batch fills every place again
         assert executor.peak_since_mark == 8
-        for _ in range(13):
+        for _ in range(17):
             on_engine_loop(executor.finish.release)
         done = wait_status(client, batch["id"], {"completed"})
         assert done["request_counts"] == {"total": 20, "completed": 20, "failed": 0}
         answered_ids = Counter(line["custom_id"] for line in read_jsonl(client, done["output_file_id"]))
-        assert answered_ids == Counter(f"r{i}" for i in range(20))
-        assert executor.aborted == 0
+        assert answered_ids == Counter(f"r{i}" for i in range(20))  # the withdrawn lines too, once each
+        assert executor.aborted == 5 and window.withdrawn == 5
 
 
 def test_the_window_and_the_preemptions_are_on_metrics(client, engine_service, fake_engine):
@@ -227,6 +273,7 @@ def test_the_window_and_the_preemptions_are_on_metrics(client, engine_service, f
     now = wait_for(lambda: (seen := scraped()).get("vbatch_batch_window") is not None and seen)
     assert now["vbatch_batch_window"] == now["vbatch_batch_window_max"] == 8
     assert now["vbatch_batch_preemptions_total"] == 0
+    assert now["vbatch_batch_lines_withdrawn_total"] == 0
     assert engine_service.batch_window == WindowSize(8, 8)  # what the console's engine page reads
     fake_engine.executor.preemptions = 3
     assert scraped()["vbatch_batch_preemptions_total"] == 3
@@ -235,9 +282,10 @@ def test_the_window_and_the_preemptions_are_on_metrics(client, engine_service, f
 def test_no_window_series_before_an_engine_serves():
     metrics = Metrics()
     assert b"vbatch_batch_window" not in generate_latest(metrics.registry)
-    metrics.watch_window(lambda: (5, 9), lambda: None)
+    metrics.watch_window(lambda: (5, 9), lambda: None, lambda: 4)
     text = generate_latest(metrics.registry).decode()
     assert "vbatch_batch_window 5.0" in text and "vbatch_batch_window_max 9.0" in text
+    assert "vbatch_batch_lines_withdrawn_total 4.0" in text
     assert "vbatch_batch_preemptions" not in text  # an engine that does not say is not shown as 0
 
 

@@ -86,15 +86,19 @@ class Metrics:
         self.registry.register(_Now(state))
 
     def watch_window(
-        self, numbers: Callable[[], tuple[int, int] | None], preemptions: Callable[[], int | None]
+        self,
+        numbers: Callable[[], tuple[int, int] | None],
+        preemptions: Callable[[], int | None],
+        withdrawn: Callable[[], int],
     ) -> None:
-        """The batch window's (size, most) and the engine's preemptions, read at every scrape; called again (a new
-        context), the new readers replace the old."""
+        """The batch window's (size, most), the engine's preemptions and the lines the window withdrew, read at every
+        scrape; called again (a new context), the new readers replace the old."""
         if self._window is None:
             self._window = _BatchWindow()
             self.registry.register(self._window)
         self._window.numbers = numbers
         self._window.preemptions = preemptions
+        self._window.withdrawn = withdrawn
 
     def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]], key: str | None = None) -> bytes:
         """The engine's series, then vbatch's; of those about one batch (a `batch_id` label) only the ones whose id
@@ -194,6 +198,7 @@ class _BatchWindow(Collector):
     def __init__(self) -> None:
         self.numbers: Callable[[], tuple[int, int] | None] = lambda: None
         self.preemptions: Callable[[], int | None] = lambda: None
+        self.withdrawn: Callable[[], int] = lambda: 0
 
     def describe(self) -> list:
         return []
@@ -212,6 +217,12 @@ class _BatchWindow(Collector):
                 "vbatch_batch_window_max",
                 "The most batch lines in flight at once (VBATCH_MAX_IN_FLIGHT).",
                 value=max_size,
+            )
+            yield CounterMetricFamily(
+                "vbatch_batch_lines_withdrawn",
+                "Batch lines withdrawn from the engine to seat an online request at once (since the engine started): "
+                "their requests aborted, each runs again later and still ends once.",
+                value=self.withdrawn(),
             )
         preemptions = self.preemptions()
         if preemptions is not None:

@@ -14,7 +14,7 @@ from app.domain.batches import Progress
 from app.domain.input_index import InputIndex
 from app.domain.results import Outcome
 from app.domain.validation import Limits, numbered_lines, validate_file
-from app.engine.execution import run_lines
+from app.engine.execution import FixedSlots, run_lines
 from app.engine.ordering import ordered_lines, pin_to_ranks, plan
 from app.engine.parts import ResultSink
 from app.engine.serving import EngineFactory, Serving, engine_wave
@@ -106,7 +106,7 @@ async def _run(
             ordered_lines(input_path, index, groups, skip=sink.done),
             executor=serving,
             endpoint=endpoint,
-            slots=asyncio.Semaphore(in_flight),
+            slots=FixedSlots(in_flight),
             workers=in_flight,
             on_outcome=record,
         )

@@ -28,7 +28,7 @@ from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.context import Context
 from app.engine.ending import end_out_of_disk, end_unrun, end_with_results, input_gone, record_unfinished
-from app.engine.execution import run_lines
+from app.engine.execution import FixedSlots, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
@@ -258,7 +258,7 @@ class BatchRun:
                         self._lines(group),
                         executor=executor,
                         endpoint=self.row.endpoint,
-                        slots=asyncio.Semaphore(len(group)),
+                        slots=FixedSlots(len(group)),
                         workers=len(group),
                         on_outcome=self._record,
                         engine_body=self._engine_body,

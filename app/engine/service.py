@@ -217,7 +217,7 @@ class EngineService:
         wave = engine_wave(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
         window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=settings.live_ttft_target_ms / 1000)
-        self.metrics.watch_window(lambda: window.numbers, self.live.preemptions)
+        self.metrics.watch_window(lambda: window.numbers, self.live.preemptions, lambda: window.withdrawn)
         ctx = Context(
             db=db,
             storage=storage,

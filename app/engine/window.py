@@ -32,6 +32,16 @@ The rule, applied every `TICK_SECONDS` on the engine loop from what the online p
   running), when it grows.
 It never goes below an eighth of a wave (`least`), so batches always progress. Shrinking cancels nothing: lines in
 flight finish, and fewer start.
+
+Room at once. A tick comes a quarter second late, and shrinking frees no running slot: measured on an H100
+(docs/benchmarks.md, issue 29, second run), an online request that came while the engine held two waves of batch
+lines waited for one of them to end, seconds. So an online request that arrives when the batch lines held and the
+online requests in flight are more than a wave withdraws the difference at once, youngest first
+(`execution.Place.withdraw`): the lines queued in the engine beyond its running slots, which have cost nothing yet,
+then the running ones that started last, whose work is lost (a prompt's prefill mostly comes back from the prefix
+cache), never below `least`, so batches still progress under any online load. Each runs again once it has a place
+again. This is the preemption vLLM does not do for a slot, and the
+window is held under its ceiling at once too, so the lines withdrawn do not come straight back.
 """
 
 from __future__ import annotations
@@ -41,10 +51,10 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from types import TracebackType
 from typing import NamedTuple
 
 from app.core import clock
+from app.engine.execution import Place
 
 TICK_SECONDS = 0.25
 QUIET_SECONDS = 3.0
@@ -96,9 +106,9 @@ class OnlineTraffic:
 
 
 class BatchWindow:
-    """A semaphore over batch lines whose size moves between `least` and `max_size` (`async with window:` takes
-    one place, as `asyncio.Semaphore` does); `ttft_target_seconds` 0 keeps it at `max_size`. Used on the engine
-    loop only; `size` may be read from any thread."""
+    """Places for batch lines (`execution.Slots`), as many as a size that moves between `least` and `max_size`;
+    `ttft_target_seconds` 0 keeps it at `max_size` and withdraws nothing. Used on the engine loop only; `size` and
+    `withdrawn` may be read from any thread."""
 
     def __init__(
         self, *, max_size: int, wave: int, ttft_target_seconds: float, now: Callable[[], float] | None = None
@@ -109,10 +119,13 @@ class BatchWindow:
         self.wave = wave
         self.ttft_target_seconds = ttft_target_seconds
         self.held = 0  # batch lines in flight now: above `size` for a while after a shrink
+        self.withdrawn = 0  # batch lines withdrawn for online requests, since the engine started
         self.online = OnlineTraffic(now)
         self._now = now
         self._shrunk_at = -math.inf
         self._waiters: deque[asyncio.Future[None]] = deque()
+        self._places: dict[Place, None] = {}  # in the order they were taken: the youngest last
+        self._leaving = 0  # withdrawn places not yet given back
 
     @property
     def numbers(self) -> WindowSize:
@@ -136,6 +149,10 @@ class BatchWindow:
 
     def online_arrived(self) -> None:
         self.online.arrived()
+        if self.ttft_target_seconds > 0:
+            self.resize(min(self.size, self.ceiling))
+            staying = self.held - self._leaving
+            self._withdraw(min(staying + self.online.in_flight - self.wave, staying - self.least))
 
     def online_first_token(self, seconds: float) -> None:
         self.online.first_token(seconds)
@@ -143,15 +160,29 @@ class BatchWindow:
     def online_done(self) -> None:
         self.online.done()
 
-    # The semaphore.
+    # The places.
 
-    async def __aenter__(self) -> None:
+    @asynccontextmanager
+    async def place(self) -> AsyncIterator[Place]:
         await self.acquire()
+        place = Place()
+        self._places[place] = None
+        try:
+            yield place
+        finally:
+            del self._places[place]
+            if place.withdrawn:
+                self._leaving -= 1
+            self.release()
 
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()
+    def _withdraw(self, count: int) -> None:
+        for place in reversed(list(self._places)) if count > 0 else ():
+            if count == 0:
+                return
+            if not place.withdrawn and place.withdraw():
+                self._leaving += 1
+                self.withdrawn += 1
+                count -= 1
 
     async def acquire(self) -> None:
         if self.held < self.size and not self._waiters:

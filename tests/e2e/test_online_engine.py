@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import time
+from collections import Counter
 from collections.abc import Iterator
 
 import pytest
@@ -18,31 +19,42 @@ from app.engine import online
 from app.engine.service import EngineService
 from app.launch import service_app
 from tests.e2e.conftest import MODEL, STARTUP_SECONDS, engine_flags
+from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 CHAT = "/v1/chat/completions"
 RUNNING = re.compile(rb"^vllm:num_requests_running(\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
+WAITING = re.compile(rb"^vllm:num_requests_waiting(\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
+
+
+SEATS = 4  # --max-num-seqs: a wave the tests can fill
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory, model_path) -> Iterator[EngineService]:
+def client(tmp_path_factory, model_path) -> Iterator[TestClient]:
     data = tmp_path_factory.mktemp("online-engine") / "data"
-    app, _ = service_app(["--data-dir", str(data), *engine_flags(model_path)], "serve")
+    flags = ["--data-dir", str(data), *engine_flags(model_path), "--max-num-seqs", str(SEATS)]
+    app, _ = service_app(flags, "serve")
     engine: EngineService = app.state.engine
-    with TestClient(app):
+    with TestClient(app) as client:
         deadline = time.monotonic() + STARTUP_SECONDS
         while engine.state != "ok":
             assert engine.state in ("starting", "restarting") and time.monotonic() < deadline, engine.state
             time.sleep(0.5)
-        yield engine
+        yield client
+
+
+@pytest.fixture
+def service(client) -> EngineService:
+    return client.app.state.engine
 
 
 def chat(content: str, **fields) -> dict:
     return {"model": MODEL, "messages": [{"role": "user", "content": content}], **fields}
 
 
-def running_requests(service: EngineService) -> float:
+def running_requests(service: EngineService, gauge: re.Pattern = RUNNING) -> float:
     """vLLM's own gauge, summed over its engines, as `vllm serve`'s /metrics has it."""
-    return sum(float(value) for _, value in RUNNING.findall(service.metrics_text()))
+    return sum(float(value) for _, value in gauge.findall(service.metrics_text()))
 
 
 async def until(condition, timeout: float = 120.0) -> None:
@@ -134,3 +146,26 @@ def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
 
     generated = asyncio.run(scenario())
     assert 0 < generated < length  # stopped by the abort, not by its length
+
+
+def test_an_online_request_into_a_full_engine_withdraws_batch_lines_which_run_again_and_end_once(client, service):
+    """Two waves of batch lines held (one running, one queued in the engine): the online request that arrives takes
+    a running slot at once, the lines withdrawn for it are aborted in vLLM and run again, and the batch's output has
+    every custom_id once, each a full answer."""
+    lines = [request_line(f"w{i}", model=MODEL, max_tokens=48, ignore_eos=True) for i in range(3 * SEATS)]
+    batch = create_batch(client, upload(client, jsonl(lines))["id"])
+    window = service._ctx.window  # type: ignore[union-attr]
+    in_engine = (SEATS, SEATS)  # running, waiting
+    wait_for(lambda: (running_requests(service), running_requests(service, WAITING)) == in_engine, timeout=120)
+
+    answer = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=4)))
+    assert answer.status == 200 and answer.body is not None and answer.body["object"] == "chat.completion"
+    assert window.withdrawn >= SEATS + 1  # the queued wave, and the running line that started last
+
+    done = wait_status(client, batch["id"], {"completed"}, timeout=300)
+    assert done["request_counts"] == {"total": 3 * SEATS, "completed": 3 * SEATS, "failed": 0}
+    output = read_jsonl(client, done["output_file_id"])
+    assert Counter(line["custom_id"] for line in output) == Counter(line["custom_id"] for line in lines)
+    assert {line["response"]["body"]["usage"]["completion_tokens"] for line in output} == {48}
+    scraped = client.get("/metrics").text
+    assert f"vbatch_batch_lines_withdrawn_total {float(window.withdrawn)}" in scraped
