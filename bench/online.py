@@ -221,6 +221,25 @@ def reap(group: int) -> None:
         os.killpg(group, signal.SIGKILL)
 
 
+def wait_gpu_free(timeout: float = 120.0, most_used: float = 0.05) -> None:
+    """Until the GPU's memory is free (at most `most_used` of it taken): a side's engine must not start while the
+    last side's engine processes still hold it (seen on an H100: `vllm serve`'s engine core held 75 GiB 30 s after
+    its server was stopped, and the next engine failed). No GPU (the CPU build): nothing to wait for."""
+    query = ["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits"]
+    until = time.monotonic() + timeout
+    while True:
+        try:
+            rows = subprocess.run(query, capture_output=True, text=True, check=True, timeout=10).stdout.split("\n")
+        except (OSError, subprocess.SubprocessError):
+            return
+        used = [tuple(float(v) for v in row.split(",")) for row in rows if row.strip()]
+        if all(u <= most_used * total for u, total in used):
+            return
+        if time.monotonic() > until:
+            raise RuntimeError(f"the GPU is still in use after {timeout:.0f} s: {rows}")
+        time.sleep(1.0)
+
+
 class BatchPusher:
     """The batch client of the `vllm_serve` side (`online_load.push_batch`), in a process of its own."""
 
@@ -233,15 +252,16 @@ class BatchPusher:
         self.process.start()
 
     def finish(self) -> dict:
+        """What the client saw; an error only where it left nothing. A client that did not end by itself (killed,
+        or stuck past 60 s) says so in `ended` and `exit_code`, with what it had written each second before."""
         self.stop_event.set()
         self.process.join(timeout=60)
         if self.process.is_alive():
             self.process.kill()
             self.process.join()
-            raise RuntimeError("the batch client did not stop within 60 s")
         if not self.records.exists():
             raise RuntimeError(f"the batch client ended without its records (exit code {self.process.exitcode})")
-        return json.loads(self.records.read_text())
+        return {**json.loads(self.records.read_text()), "exit_code": self.process.exitcode}
 
 
 def pushed_in(pushed: dict, window: Window) -> dict:
@@ -253,6 +273,11 @@ def pushed_in(pushed: dict, window: Window) -> dict:
         "lines_finished_in_all": len(pushed["finished"]),
         "failures": pushed["failures"],
         "ran_out": pushed["ran_out"],
+        # False, with an exit code: the client was killed (or stuck) before the end, and the rate is only what it
+        # wrote before (it writes every second).
+        "client_ended": pushed.get("ended"),
+        "client_exit_code": pushed.get("exit_code"),
+        "client_max_rss_mib": pushed.get("max_rss_mib"),
     }
 
 
@@ -336,7 +361,8 @@ def vllm_serve_side(args: argparse.Namespace, work: Workload, deadline: Deadline
             time.sleep(args.ramp)  # from the first requests to a full engine: part of the workload, not a wait
             (seconds,) = deadline.windows([args.seconds], reserve=args.tail + STOP_S)
             window = measure_window(server.base_url, seconds, work.bodies, work.cut(seconds), tail=args.tail)
-            pushed, pusher = pusher.finish(), None
+            finishing, pusher = pusher, None  # finished once, here: a failure is not masked by a second try
+            pushed = finishing.finish()
         batch = {**window.batch_rate(), **pushed_in(pushed, window), "concurrency": args.batch_concurrency}
         return {"engine_start_s": round(start_s, 2), "warm_online_errors": warm_errors, "online": window.online(),
                 "batch": batch}  # fmt: skip
@@ -365,10 +391,15 @@ def lines_in(window: Window) -> dict:
 
 def kept(window: Window, max_tokens: int) -> dict:
     """The batch's rate in the window, and the least of it that was kept: the engine's count includes the tokens of
-    lines withdrawn for online requests (run again later), each at most `max_tokens`."""
+    lines withdrawn for online requests (run again later), each at most `max_tokens`, except those that were still
+    waiting in the engine, which had made none (as many as the engine's waiting requests at the window's start,
+    when no online request had come yet)."""
     rate = {**window.batch_rate(), **lines_in(window)}
     if rate["output_tokens_per_s"] is not None:
-        lost = rate["withdrawn"] * max_tokens / window.seconds
+        waiting = window.samples[0][2] if window.samples and window.samples[0][2] is not None else 0
+        running_withdrawn = max(0, rate["withdrawn"] - waiting)
+        rate["running_lines_withdrawn_at_most"] = running_withdrawn
+        lost = running_withdrawn * max_tokens / window.seconds
         rate["kept_output_tokens_per_s_at_least"] = round(rate["output_tokens_per_s"] - lost, 1)
     return rate
 
@@ -407,6 +438,7 @@ SIDES: dict[str, Callable[[argparse.Namespace, Workload, Deadline], dict]] = {
 
 def measured_side(name: str, args: argparse.Namespace, work: Workload, deadline: Deadline, requests: dict) -> dict:
     """A side's numbers; its requests one by one go to `requests` (the results file), not to the printed line."""
+    wait_gpu_free()
     side = SIDES[name](args, work, deadline)
     requests[name] = side["online"].pop("requests")
     return side
@@ -452,9 +484,9 @@ def goals(sides: dict) -> list[str]:
                      f"{ok}")  # fmt: skip
         least = batch["with_online"].get("kept_output_tokens_per_s_at_least")
         if least is not None and least != mixed:
-            withdrawn = batch["with_online"]["withdrawn"]
-            lines.append(f"  of which kept, at least (less {withdrawn} withdrawn lines at their max_tokens): {least} = "
-                         f"{least / alone:.3f}x")  # fmt: skip
+            running = batch["with_online"]["running_lines_withdrawn_at_most"]
+            lines.append(f"  of which kept, at least (less {running} running lines withdrawn, at their max_tokens): "
+                         f"{least} = {least / alone:.3f}x")  # fmt: skip
     else:
         lines.append("vbatch batch tok/s with online / without: not measured")
     return lines

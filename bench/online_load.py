@@ -249,20 +249,28 @@ async def open_loop(url: str, bodies: Sequence[dict], schedule: Sequence[float],
 def push_batch(url: str, tickets: str, concurrency: int, stop: Any, records: str) -> None:
     """In a process of its own, so that its work never delays the online client: keeps `concurrency`
     non-streamed requests in flight, each line of the tickets file once, until `stop` (an Event) is set; writes
-    [finished_at, completion_tokens] of every answer, the failures, and whether the file ran out, to `records`."""
+    [finished_at, completion_tokens] of every answer, the failures, whether the file ran out and its own peak memory
+    to `records`, every second as well as at the end, so a process killed from outside still leaves what it saw."""
     import resource
 
     _, most = resource.getrlimit(resource.RLIMIT_NOFILE)  # a socket per request in flight: 2,048 by default
     resource.setrlimit(resource.RLIMIT_NOFILE, (most, most))
     bodies = [json.loads(line)["body"] for line in Path(tickets).read_text().splitlines()]
-    Path(records).write_text(json.dumps(asyncio.run(_push(url, bodies, concurrency, stop))))
+    asyncio.run(_push(url, bodies, concurrency, stop, Path(records)))
 
 
-async def _push(url: str, bodies: list[dict], concurrency: int, stop: Any) -> dict:
+async def _push(url: str, bodies: list[dict], concurrency: int, stop: Any, records: Path) -> None:
+    import resource
+
     lines = iter(bodies)  # shared by the workers: each line is sent once
-    finished: list[list[float]] = []
-    failures: Counter[str] = Counter()
+    seen: dict[str, Any] = {"finished": [], "failures": Counter(), "ran_out": False, "ended": False}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+
+    def write() -> None:
+        seen["max_rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+        records.with_suffix(".tmp").write_text(json.dumps(seen))
+        records.with_suffix(".tmp").replace(records)
+
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(900, connect=120), headers=AUTH) as http:
 
         async def worker() -> None:
@@ -270,18 +278,23 @@ async def _push(url: str, bodies: list[dict], concurrency: int, stop: Any) -> di
                 try:
                     response = await http.post(url, json=body)
                 except httpx.HTTPError as exc:
-                    failures[type(exc).__name__] += 1
+                    seen["failures"][type(exc).__name__] += 1
                     continue
                 if response.status_code == 200:
-                    finished.append([time.monotonic(), response.json()["usage"]["completion_tokens"]])
+                    seen["finished"].append([time.monotonic(), response.json()["usage"]["completion_tokens"]])
                 else:
-                    failures[f"HTTP {response.status_code}"] += 1
+                    seen["failures"][f"HTTP {response.status_code}"] += 1
 
         workers = [asyncio.create_task(worker()) for _ in range(concurrency)]
+        ticks = 0
         while not stop.is_set() and not all(w.done() for w in workers):
             await asyncio.sleep(0.2)  # `stop` is another process's Event: nothing to await on
-        ran_out = all(w.done() for w in workers)
+            ticks += 1
+            if ticks % 5 == 0:
+                write()
+        seen["ran_out"] = all(w.done() for w in workers)
         for w in workers:
             w.cancel()
         await asyncio.gather(*workers, return_exceptions=True)
-    return {"finished": finished, "failures": dict(failures), "ran_out": ran_out}
+    seen["ended"] = True
+    write()

@@ -168,6 +168,10 @@ def sse_app() -> FastAPI:
         body = await request.json()
         if body.get("fail"):
             return JSONResponse({"error": {"message": "bad"}}, status_code=400)
+        if body.get("hold"):  # answered never: held until its client goes away
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.05)
+            return JSONResponse({}, status_code=499)
         if not body.get("stream"):
             return {"usage": {"completion_tokens": body["max_tokens"]}}
         state["arrived"] += 1
@@ -200,12 +204,28 @@ def test_the_open_loop_sends_on_schedule_while_earlier_answers_are_still_open():
     assert not refused.ok and (refused.error or "").startswith("HTTP 400")
 
 
-def test_the_batch_client_sends_each_line_once_and_says_when_the_file_ran_out():
+def test_the_batch_client_sends_each_line_once_and_says_when_the_file_ran_out(tmp_path):
     bodies = [{"max_tokens": n} for n in range(1, 8)]
+    records = tmp_path / "pushed.json"
     with serving(sse_app(), free_port()) as port:
-        pushed = asyncio.run(_push(f"http://127.0.0.1:{port}/v1/chat/completions", bodies, 3, threading.Event()))
+        asyncio.run(_push(f"http://127.0.0.1:{port}/v1/chat/completions", bodies, 3, threading.Event(), records))
+    pushed = json.loads(records.read_text())
     assert sorted(tokens for _, tokens in pushed["finished"]) == list(range(1, 8))
-    assert pushed["ran_out"] is True and pushed["failures"] == {}
+    assert pushed["ran_out"] is True and pushed["failures"] == {} and pushed["ended"] is True
+
+
+def test_a_batch_client_killed_from_outside_leaves_what_it_saw_and_says_it_did_not_end(tmp_path):
+    tickets = tmp_path / "tickets.jsonl"
+    bodies = [{"max_tokens": n} for n in range(1, 4)] + [{"hold": True}] * 2
+    tickets.write_text("".join(json.dumps({"body": body}) + "\n" for body in bodies))
+    records = tmp_path / "pushed.json"
+    with serving(sse_app(), free_port()) as port:
+        pusher = BatchPusher(f"http://127.0.0.1:{port}/v1/chat/completions", tickets, 2, records)
+        wait_for(lambda: records.exists() and len(json.loads(records.read_text())["finished"]) == 3, timeout=60)
+        pusher.process.kill()  # as the kernel's OOM killer would
+        pushed = pusher.finish()
+    assert sorted(tokens for _, tokens in pushed["finished"]) == [1, 2, 3]
+    assert pushed["ended"] is False and pushed["exit_code"] == -9 and pushed["ran_out"] is False
 
 
 def test_the_batch_client_runs_in_a_process_of_its_own_and_hands_back_what_it_saw(tmp_path):
@@ -216,3 +236,4 @@ def test_the_batch_client_runs_in_a_process_of_its_own_and_hands_back_what_it_sa
         wait_for(lambda: not pusher.process.is_alive(), timeout=60)  # it ends by itself once the file has run out
         pushed = pusher.finish()
     assert sorted(tokens for _, tokens in pushed["finished"]) == [1, 2, 3, 4, 5] and pushed["ran_out"] is True
+    assert pushed["ended"] is True and pushed["exit_code"] == 0
