@@ -143,7 +143,7 @@ async def _shrink_lets_fewer_in_and_takes_none_back() -> None:
         assert window.held == 3
 
 
-def test_arrivals_withdraw_the_youngest_running_lines_over_a_wave_once_each_down_to_the_least_and_a_target_of_zero_none():
+def test_arrivals_withdraw_the_youngest_lines_over_a_wave_once_each_down_to_the_least_target_zero_none():
     asyncio.run(_arrivals_withdraw_the_youngest())
 
 
