@@ -152,3 +152,11 @@ def test_a_waiting_batch_cancelled_ends_at_once(cluster):
     batch = submit(cluster.api, "model-c")
     assert cluster.api.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] == "cancelling"
     assert wait_status(cluster.api, batch["id"], {"cancelled", "expired", "failed"})["status"] == "cancelled"
+
+
+def test_the_api_lists_every_model_and_adapter_the_live_workers_serve(cluster):
+    cards = {card["id"]: card for card in cluster.api.get("/v1/models").json()["data"]}
+    assert set(cards) == {"model-a", "a-lora", "model-b"}
+    assert (cards["a-lora"]["parent"], cards["a-lora"]["root"]) == ("model-a", "/adapters/a-lora")
+    assert "parent" not in cards["model-b"]
+    assert cluster.api.get("/v1/models/model-b").status_code == 200
