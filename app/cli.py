@@ -28,7 +28,8 @@ USAGE = """usage: vbatch {serve,api,worker,cluster,run} [options] [vLLM engine a
   vbatch api [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
   vbatch worker [--host 127.0.0.1] [--port 8001] [--data-dir DIR] [vLLM engine args]
   vbatch cluster [--ray-address ADDR] [--replicas N] [--gpus-per-replica K] [--data-dir DIR] [vLLM engine args]
-  vbatch cluster scale N [--ray-address ADDR]
+  vbatch cluster [--ray-address ADDR] [--data-dir DIR] --pool NAME [--replicas N] [vLLM engine args] --pool NAME2 ...
+  vbatch cluster scale N [--pool NAME] [--ray-address ADDR]
   vbatch run -i in.jsonl -o out.jsonl [--error-file err.jsonl] [vLLM engine args]
 
 Engine args are exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).

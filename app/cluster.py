@@ -7,6 +7,10 @@ worker on that host does, and goes on from their checkpoints. A pool actor, name
 namespace, owns the replicas: `vbatch cluster scale N` asks it for N, and a replica it lets go stops as a worker
 does on SIGTERM (its runs checkpoint, its leases are released for the others to take at once).
 
+Pools of replicas for different models (`--pool NAME [--replicas N] --model M ...`, once a pool) are actors named
+`vbatch-pool-NAME`, each scaled on its own (`vbatch cluster scale N --pool NAME`); each worker claims only the
+batches for the models it serves (`app.domain.leases.claim`).
+
 Everything durable stays in the database and the store, never in an actor: the cluster needs Postgres and an S3
 store (`VBATCH_DATABASE_URL`, `VBATCH_STORAGE_URL`) once it spans machines.
 """
@@ -21,6 +25,7 @@ import socket
 import threading
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -145,71 +150,168 @@ def passed_on(environ: dict[str, str] | os._Environ[str]) -> dict[str, str]:
 
 
 def start_pool(
-    *, build: AppBuilder, argv: Sequence[str], env: dict[str, str], replicas: int, gpus: float, cpus: float
+    *,
+    build: AppBuilder,
+    argv: Sequence[str],
+    env: dict[str, str],
+    replicas: int,
+    gpus: float,
+    cpus: float,
+    name: str = POOL_NAME,
 ) -> Any:
-    """The named pool actor with `replicas` replicas (Ray must be initialised)."""
+    """The pool actor named `name` with `replicas` replicas (Ray must be initialised)."""
     import ray
 
     pool: Any = (
         ray.remote(Pool)  # type: ignore[attr-defined]
-        .options(name=POOL_NAME, namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
+        .options(name=name, namespace=NAMESPACE, num_cpus=0, max_concurrency=4)
         .remote(build, list(argv), env, gpus=gpus, cpus=cpus)
     )
     ray.get(pool.scale.remote(replicas))
     return pool
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vbatch cluster", add_help=False)
+@dataclass(frozen=True)
+class PoolSpec:
+    """One pool of a cluster: `replicas` workers, each running `vbatch worker ENGINE_ARGS` (its own `--model`)."""
+
+    name: str | None  # None: the one pool of a cluster started without `--pool`
+    replicas: int
+    gpus: float | None  # per replica; None: 1 where Ray sees GPUs, else 0
+    cpus: float
+    engine_args: list[str]
+
+    @property
+    def actor_name(self) -> str:
+        return pool_actor_name(self.name)
+
+
+def pool_actor_name(name: str | None) -> str:
+    """The pool actor's name in the `vbatch` namespace: `vbatch-pool`, or `vbatch-pool-NAME` for the pool NAME."""
+    return POOL_NAME if name is None else f"{POOL_NAME}-{name}"
+
+
+def _cluster_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vbatch cluster", add_help=False, allow_abbrev=False)
     parser.add_argument(
         "--ray-address", default=None, help="The Ray cluster (default: RAY_ADDRESS, or a new local one)."
     )
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--gpus-per-replica", type=float, default=None, help="Default: 1 where Ray sees GPUs, else 0.")
-    parser.add_argument("--cpus-per-replica", type=float, default=1.0)
     parser.add_argument("--data-dir", default=None)
     return parser
 
 
+def _pool_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vbatch cluster --pool NAME", add_help=False, allow_abbrev=False)
+    parser.add_argument("--replicas", type=int, default=1)
+    parser.add_argument("--gpus-per-replica", type=float, default=None, help="Default: 1 where Ray sees GPUs, else 0.")
+    parser.add_argument("--cpus-per-replica", type=float, default=1.0)
+    return parser
+
+
+def parse_pools(argv: Sequence[str]) -> tuple[argparse.Namespace, list[PoolSpec]]:
+    """`[--ray-address A] [--data-dir D] [pool options] [engine args]`: one pool; or, for pools that serve different
+    models, `[--ray-address A] [--data-dir D] --pool NAME [pool options] ENGINE_ARGS --pool NAME2 ...`, each pool
+    with its replicas and its own engine arguments (its `--model`)."""
+    head, groups = _split_pools(list(argv))
+    options, rest = _cluster_parser().parse_known_args(head)
+    if not groups:
+        return options, [_pool_spec(None, rest)]
+    if rest:
+        raise SystemExit(f"vbatch cluster: {' '.join(rest)}: pool options and engine arguments go after a --pool NAME")
+    names = [name for name, _ in groups]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"vbatch cluster: each --pool needs a name of its own; got {', '.join(names)}")
+    return options, [_pool_spec(name, args) for name, args in groups]
+
+
+def _split_pools(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """The arguments before the first `--pool`, and each pool's name with the arguments up to the next."""
+    head: list[str] = []
+    groups: list[tuple[str, list[str]]] = []
+    tokens = iter(argv)
+    for token in tokens:
+        if token == "--pool" or token.startswith("--pool="):
+            name = token.partition("=")[2] if "=" in token else next(tokens, "")
+            if not name or name.startswith("-"):
+                raise SystemExit("vbatch cluster: --pool needs a name (--pool NAME)")
+            groups.append((name, []))
+        else:
+            (groups[-1][1] if groups else head).append(token)
+    return head, groups
+
+
+def _pool_spec(name: str | None, argv: list[str]) -> PoolSpec:
+    options, engine_args = _pool_parser().parse_known_args(argv)
+    return PoolSpec(
+        name=name,
+        replicas=options.replicas,
+        gpus=options.gpus_per_replica,
+        cpus=options.cpus_per_replica,
+        engine_args=engine_args,
+    )
+
+
+def _scale(argv: list[str]) -> None:
+    """`vbatch cluster scale N [--pool NAME]`: resize one pool of a running cluster (the one, without `--pool`)."""
+    import ray
+
+    scale = argparse.ArgumentParser(prog="vbatch cluster scale")
+    scale.add_argument("replicas", type=int)
+    scale.add_argument("--pool", default=None, help="The pool's name, as given to `vbatch cluster --pool NAME`.")
+    scale.add_argument("--ray-address", default=None)
+    args = scale.parse_args(argv)
+    ray.init(address=args.ray_address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING)
+    name = pool_actor_name(args.pool)
+    pool = ray.get_actor(name, namespace=NAMESPACE)
+    log.info("vbatch cluster: %s has %d replicas", name, ray.get(pool.scale.remote(args.replicas)))
+
+
 def main(argv: list[str]) -> None:
-    """`vbatch cluster [options] [engine args]` runs the pool until SIGTERM or SIGINT; `vbatch cluster scale N`
-    resizes a running one."""
+    """`vbatch cluster [options] [engine args]` (or its pools, `parse_pools`) runs until SIGTERM or SIGINT;
+    `vbatch cluster scale N [--pool NAME]` resizes a running one's pool."""
     import ray
 
     from app.launch import parse_service_args
 
     if argv[:1] == ["scale"]:
-        scale = argparse.ArgumentParser(prog="vbatch cluster scale")
-        scale.add_argument("replicas", type=int)
-        scale.add_argument("--ray-address", default=None)
-        args = scale.parse_args(argv[1:])
-        ray.init(address=args.ray_address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING)
-        pool = ray.get_actor(POOL_NAME, namespace=NAMESPACE)
-        log.info("vbatch cluster: %d replicas", ray.get(pool.scale.remote(args.replicas)))
+        _scale(argv[1:])
         return
-    args, engine_args = _parser().parse_known_args(argv)
-    parse_service_args(engine_args, "worker")  # a bad argument fails here, not in every replica Ray restarts
-    if args.data_dir:
-        os.environ["VBATCH_DATA_DIR"] = args.data_dir
-    ray.init(address=args.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
-    gpus = args.gpus_per_replica
-    if gpus is None:
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
-    pool = start_pool(
-        build=worker_app,
-        argv=engine_args,
-        env=passed_on(os.environ),
-        replicas=args.replicas,
-        gpus=gpus,
-        cpus=args.cpus_per_replica,
-    )
-    log.info(
-        "vbatch cluster: %d replicas of `vbatch worker %s`, %s GPUs each", args.replicas, " ".join(engine_args), gpus
-    )
+    options, specs = parse_pools(argv)
+    for spec in specs:  # a bad argument fails here, not in every replica Ray restarts
+        parse_service_args(spec.engine_args, "worker")
+    if options.data_dir:
+        os.environ["VBATCH_DATA_DIR"] = options.data_dir
+    ray.init(address=options.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)
+    pools = [_start(spec) for spec in specs]
     stopping = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stopping.set())
     stopping.wait()
     log.info("vbatch cluster: stopping its replicas (running batches checkpoint)")
-    ray.get(pool.scale.remote(0))
+    ray.get([pool.scale.remote(0) for pool in pools])
     ray.shutdown()
+
+
+def _start(spec: PoolSpec) -> Any:
+    import ray
+
+    gpus = spec.gpus
+    if gpus is None:
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+    pool = start_pool(
+        build=worker_app,
+        argv=spec.engine_args,
+        env=passed_on(os.environ),
+        replicas=spec.replicas,
+        gpus=gpus,
+        cpus=spec.cpus,
+        name=spec.actor_name,
+    )
+    log.info(
+        "vbatch cluster: %s, %d replicas of `vbatch worker %s`, %s GPUs each",
+        spec.actor_name,
+        spec.replicas,
+        " ".join(spec.engine_args),
+        gpus,
+    )
+    return pool

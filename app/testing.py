@@ -191,11 +191,15 @@ class FakeServing:
     data_parallel_size = 1
 
     def __init__(
-        self, executor: FakeExecutor, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        executor: FakeExecutor,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        model: str = FAKE_MODEL,
     ) -> None:
         self.executor = executor
-        self.adapters = [Adapter(name=name, parent=FAKE_MODEL, root=f"/adapters/{name}") for name in adapters]
-        self.served_models = [FAKE_MODEL, *adapters]
+        self.adapters = [Adapter(name=name, parent=model, root=f"/adapters/{name}") for name in adapters]
+        self.served_models = [model, *adapters]
         self.engine_config: dict[str, object] = {
             "max_model_len": 2048,
             "max_num_seqs": self.max_num_seqs,
@@ -229,12 +233,18 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides."""
+    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it."""
 
     def __init__(
-        self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        *,
+        data_parallel_size: int = 1,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        model: str = FAKE_MODEL,
     ) -> None:
         self.executor = FakeExecutor()
+        self.model = model
         self.adapters = list(adapters)
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
@@ -247,7 +257,7 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters)
+        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters, self.model)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 

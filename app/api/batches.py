@@ -60,13 +60,14 @@ def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -
     summary="Live progress (vbatch extension)",
     description=(
         "The batch's request counts with requests/s, output tokens/s as the engine generates them, an ETA (null "
-        "until one can be estimated) and the timeline of its run. Not part of OpenAI's API."
+        "until one can be estimated) and the timeline of its run; before it runs, what it waits for (`waiting`). "
+        "Not part of OpenAI's API."
     ),
     responses={404: {"model": ErrorResponse}},
 )
 def batch_progress(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -> BatchProgress:
     row = batches.get(db=db, batch_id=batch_id, owner=owner)
-    return batches.progress(row, engine.live_stats(row.id))
+    return batches.progress(row, engine.live_stats(row.id), engine.served_models)
 
 
 @router.get(

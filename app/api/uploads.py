@@ -44,6 +44,7 @@ class Upload:
     filename: str
     purpose: str
     ttl_seconds: int | None
+    model: str | None = None  # the model its first line names (a batch file's)
 
 
 @dataclass
@@ -204,6 +205,7 @@ async def store_upload(request: Request, *, storage: Storage, settings: Settings
         purpose=upload.purpose,
         ttl_seconds=upload.ttl_seconds,
         owner=owner,
+        model=upload.model,
     )
 
 
@@ -268,28 +270,57 @@ def _complete(fields: dict[str, str], stored: _Stored | None, file_id: str, sett
     blank = stored.size == 0 or (purpose == "batch" and stored.size == len(stored.head) and not stored.head.strip())
     if blank:
         raise bad_request("The file is empty.", param="file", code="empty_file")
-    if purpose == "batch" and not _opens_like_jsonl(stored.head):
+    head = _read_head(stored.head) if purpose == "batch" else _Head(jsonl=True)
+    if not head.jsonl:
         raise bad_request(
             "Invalid file format for Batch API. Must be .jsonl: one JSON object (a request) a line.",
             param="file",
             code="invalid_file_format",
         )
     ttl = _ttl(fields, purpose, settings)
-    return Upload(file_id=file_id, size=stored.size, filename=stored.filename, purpose=purpose, ttl_seconds=ttl)
+    return Upload(
+        file_id=file_id,
+        size=stored.size,
+        filename=stored.filename,
+        purpose=purpose,
+        ttl_seconds=ttl,
+        model=head.model,
+    )
 
 
-def _opens_like_jsonl(head: bytes) -> bool:
-    """Whether the file's first line is a JSON object. Every line is checked when a batch validates it; this only
-    turns away, at once, the CSV, text or binary file uploaded by mistake."""
+@dataclass(frozen=True)
+class _Head:
+    jsonl: bool  # whether the file opens like JSONL (`_read_head`)
+    model: str | None = None  # the model its first line names, if it names one
+
+
+def _read_head(head: bytes) -> _Head:
+    """Whether the file's first line is a JSON object, and the model it names. Every line is checked when a batch
+    validates it; this only turns away, at once, the CSV, text or binary file uploaded by mistake, and tells the
+    batch made from the file which workers may claim it (those that serve the model)."""
     first, newline, _ = head.removeprefix(b"\xef\xbb\xbf").lstrip().partition(b"\n")
     if not newline and len(head) >= SNIFF_BYTES:
-        return True  # a first line longer than we read: validation will judge it
+        return _Head(jsonl=True)  # a first line longer than we read: validation will judge it
     try:
-        return isinstance(json.loads(first), dict)
+        request = json.loads(first)
     except RecursionError:
-        return True  # nested deeper than Python parses: validation reports it with its line
+        return _Head(jsonl=True)  # nested deeper than Python parses: validation reports it with its line
     except ValueError:
+        return _Head(jsonl=False)
+    if not isinstance(request, dict):
+        return _Head(jsonl=False)
+    body = request.get("body")
+    model = body.get("model") if isinstance(body, dict) else None
+    return _Head(jsonl=True, model=model if isinstance(model, str) and _storable(model) else None)
+
+
+def _storable(text: str) -> bool:
+    """A lone surrogate (a `\\udc00` escape) has no UTF-8 form to store; validation reports the line."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
         return False
+    return True
 
 
 def _expires_after(fields: dict[str, str]) -> tuple[str | None, str | None]:

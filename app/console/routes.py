@@ -186,9 +186,9 @@ def batches_page(
 
 
 async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
-    row, stats = await asyncio.to_thread(_batch_and_stats, batch_id, session, db, engine)
+    row, stats, served = await asyncio.to_thread(_batch_and_stats, batch_id, session, db, engine)
     batch = batches.to_wire(row)
-    progress = batches.progress(row, stats)
+    progress = batches.progress(row, stats, served)
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
@@ -204,9 +204,10 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
 
 
 def _batch_and_stats(batch_id: str, session: Session, db, engine) -> tuple:
-    """An API replica's engine view reads a batch's live numbers from the database too."""
+    """An API replica's engine view reads a batch's live numbers, and the models the workers serve, from the
+    database too."""
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
-    return row, engine.live_stats(row.id)
+    return row, engine.live_stats(row.id), engine.served_models
 
 
 @pages.get("/batches/{batch_id}")
@@ -223,7 +224,8 @@ async def batch_page(
 @pages.get("/batches/{batch_id}/progress.json")
 def batch_progress(batch_id: str, session: SessionDep, db: DbDep, engine: EngineDep) -> Response:
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
-    return JSONResponse(batches.progress(row, engine.live_stats(row.id)).model_dump(mode="json"))
+    progress = batches.progress(row, engine.live_stats(row.id), engine.served_models)
+    return JSONResponse(progress.model_dump(mode="json"))
 
 
 @pages.post("/batches/{batch_id}/cancel")

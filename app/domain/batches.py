@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
@@ -171,6 +171,7 @@ def create(
             completion_window=request.completion_window,
             status=BatchStatus.VALIDATING,
             owner=owner,
+            model=source.model,
             metadata_json=json.dumps(request.metadata) if request.metadata is not None else None,
             output_expires_after_seconds=(
                 request.output_expires_after.seconds if request.output_expires_after else None
@@ -239,9 +240,18 @@ def leftover_shards(*, db: Engine) -> list[BatchRow]:
         return list(session.exec(statement).all())
 
 
-def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
+def waiting_for(row: BatchRow, served_models: Collection[str]) -> str | None:
+    """Why a batch no service holds has not started: no live worker serves its model (`served_models`: every model
+    the live workers serve). It waits for one until its completion window ends (`app.domain.leases.claim`)."""
+    unheld = row.lease_holder is None or (row.lease_expires_ns or 0) < clock.now_ns()
+    if row.status != BatchStatus.VALIDATING or not unheld or row.model in (None, *served_models):
+        return None
+    return f"waiting for a worker that serves {row.model!r}"
+
+
+def progress(row: BatchRow, live: RunStats | None, served_models: Collection[str]) -> BatchProgress:
     """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run (its
-    run may still be removing its run files, its numbers not yet dropped)."""
+    run may still be removing its run files, its numbers not yet dropped); before it runs, what it waits for."""
     if row.status in TERMINAL:
         live = None
     timeline = live.timeline if live else (json.loads(row.timeline_json) if row.timeline_json else None)
@@ -255,6 +265,7 @@ def progress(row: BatchRow, live: RunStats | None) -> BatchProgress:
         eta_seconds=live.eta_seconds if live else None,
         timeline=timeline,
         series=series,
+        waiting=waiting_for(row, served_models),
     )
 
 
@@ -304,9 +315,12 @@ def start(
     )
 
 
-def fail(*, db: Engine, batch_id: str, errors: Sequence[BatchError], lease: Lease | None = None) -> BatchRow:
+def end_unrun(
+    *, db: Engine, batch_id: str, to: BatchStatus, errors: Sequence[BatchError], lease: Lease | None = None
+) -> BatchRow:
+    """End a batch that ran no line (failed or expired) with `errors`, and no result files."""
     errors_json = BatchErrors(data=list(errors)).model_dump_json()
-    return _move(db=db, batch_id=batch_id, to=BatchStatus.FAILED, lease=lease, errors_json=errors_json)
+    return _move(db=db, batch_id=batch_id, to=to, lease=lease, errors_json=errors_json)
 
 
 def end_with_files(

@@ -48,7 +48,15 @@ def check_purpose(purpose: str) -> None:
 
 
 def record_upload(
-    *, db: Engine, file_id: str, size: int, filename: str, purpose: str, ttl_seconds: int | None, owner: str
+    *,
+    db: Engine,
+    file_id: str,
+    size: int,
+    filename: str,
+    purpose: str,
+    ttl_seconds: int | None,
+    owner: str,
+    model: str | None = None,
 ) -> FileRow:
     """The file object for bytes already stored under `file_id`; until this commits, they are sweepable debris."""
     failpoints.ARMED.crash_here(failpoints.UPLOAD_SAVED)
@@ -62,6 +70,7 @@ def record_upload(
         filename=filename,
         purpose=purpose,
         owner=owner,
+        model=model,
     )
     return insert(db=db, row=row)
 

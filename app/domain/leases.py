@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import socket
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import psutil
-from sqlalchemy import or_, update
+from sqlalchemy import ColumnElement, or_, true, update
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from app.core import clock
 from app.core.db import write_scope
-from app.domain.lifecycle import ACTIVE
+from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.models import BatchRow
 
 
@@ -46,14 +46,20 @@ class LeaseLost(Exception):
         self.batch_id = batch_id
 
 
-def claim(*, db: Engine, holder: str, seconds: float, limit: int | None = None) -> list[Lease]:
-    """Leases on active batches no one holds (oldest first, at most `limit`), each with a new token."""
+def claim(
+    *, db: Engine, holder: str, seconds: float, limit: int | None = None, models: Collection[str] | None = None
+) -> list[Lease]:
+    """Leases on active batches no one holds (oldest first, at most `limit`), each with a new token. With `models`
+    (a worker beside others), only batches for one of them or for no model in particular, and those any worker
+    can end: being cancelled, or past their completion window (`app.engine.ending.end_unserved`). A batch for a
+    model no worker serves waits for one until then, and no longer."""
     now = clock.now_ns()
     with write_scope(db) as session:
         statement = (
             select(BatchRow)
             .where(col(BatchRow.status).in_(ACTIVE))
             .where(or_(col(BatchRow.lease_holder).is_(None), col(BatchRow.lease_expires_ns) < now))
+            .where(_for_models(models))
             .order_by(col(BatchRow.created_ns).asc())
             .with_for_update(skip_locked=True)
             .limit(limit)
@@ -67,6 +73,14 @@ def claim(*, db: Engine, holder: str, seconds: float, limit: int | None = None) 
             leases.append(Lease(row.id, holder, row.lease_token))
         session.commit()
     return leases
+
+
+def _for_models(models: Collection[str] | None) -> ColumnElement[bool]:
+    if models is None:
+        return true()
+    model = col(BatchRow.model)
+    endable = or_(col(BatchRow.status) == BatchStatus.CANCELLING, col(BatchRow.expires_at) <= clock.now())
+    return or_(model.is_(None), model.in_(list(models)), endable)
 
 
 def renew(*, db: Engine, leases: Iterable[Lease], seconds: float) -> set[str]:

@@ -23,6 +23,9 @@ class FileRow(SQLModel, table=True):
     batch_id: str | None = Field(default=None, index=True)
     # The API key (its owner id, app.core.auth) that uploaded it, or whose batch wrote it.
     owner: str = Field(default="", index=True)
+    # The model a batch input's first line names (read from the head the upload already sniffs): a batch made
+    # from it has its `model` from its creation, and only a worker that serves that model claims it.
+    model: str | None = None
 
 
 class BatchRow(SQLModel, table=True):
@@ -35,6 +38,8 @@ class BatchRow(SQLModel, table=True):
     completion_window: str
     status: BatchStatus = Field(sa_type=AutoString, index=True)
     owner: str = Field(default="", index=True)
+    # From the input file's first line at creation (`FileRow.model`), which decides the workers that may claim the
+    # batch; validation sets the model every line runs on (the base model of a mix of it and its adapters).
     model: str | None = None
     errors_json: str | None = None
     metadata_json: str | None = None

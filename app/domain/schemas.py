@@ -123,6 +123,8 @@ class BatchProgress(BaseModel):
     # [seconds into the run, requests/s, output tokens/s] for each step of about a second or more, the whole run at
     # a step that grows with it; once the batch has ended, its last run's.
     series: list[list[float]] = []
+    # Why a batch no worker holds is not running yet (null otherwise): "waiting for a worker that serves 'm'".
+    waiting: str | None = None
 
 
 class BatchList(BaseModel):

@@ -109,9 +109,10 @@ def input_gone(run: Run) -> BatchError:
     return BatchError(code="file_not_found", message=f"The input file {run.row.input_file_id} cannot be read.")
 
 
-async def end_unrun(run: Run, errors: Sequence[BatchError] = ()) -> None:
-    """A batch that ends without running a line more: failed with `errors` (its input unreadable, invalid or gone)
-    or, being cancelled, cancelled, its run files gone first (nothing of its own is needed any more)."""
+async def end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchStatus = BatchStatus.FAILED) -> None:
+    """A batch that ends without running a line more: `wanted` (failed: its input unreadable, invalid or gone)
+    with `errors` or, being cancelled, cancelled, its run files gone first (nothing of its own is needed any
+    more)."""
 
     async def end(status: BatchStatus) -> BatchRow:
         if status == BatchStatus.CANCELLED:
@@ -119,10 +120,32 @@ async def end_unrun(run: Run, errors: Sequence[BatchError] = ()) -> None:
             return await asyncio.to_thread(
                 batches.transition, db=run.db, batch_id=run.id, to=BatchStatus.CANCELLED, lease=run.lease
             )
-        return await asyncio.to_thread(batches.fail, db=run.db, batch_id=run.id, errors=errors, lease=run.lease)
+        return await asyncio.to_thread(
+            batches.end_unrun, db=run.db, batch_id=run.id, to=status, errors=errors, lease=run.lease
+        )
 
-    status = await _settle(run, BatchStatus.FAILED, end)
+    status = await _settle(run, wanted, end)
     log.info("batch %s: %s before it ran", run.id, status, extra={"batch_id": run.id, "event": f"batch.{status}"})
+
+
+def unserved(row: BatchRow, served_models: Sequence[str]) -> bool:
+    """A batch still validating whose window has ended for a model this service does not serve: it was claimed
+    only to be ended (`app.domain.leases.claim`), no service having served its model meanwhile."""
+    ended = row.expires_at is not None and row.expires_at <= clock.now()
+    return row.status == BatchStatus.VALIDATING and ended and row.model not in (None, *served_models)
+
+
+async def end_unserved(run: Run) -> None:
+    """Expired, as OpenAI ends a batch its completion window outlived (`failed` is for an input found invalid,
+    which this one never was), with an error that says which model no worker served. No line ran, and its lines
+    were never read: it has no result files."""
+    error = BatchError(
+        code="model_not_served",
+        message=f"No worker served the model {run.row.model!r} before this batch's completion window ended; none "
+        "of its requests ran.",
+        param="model",
+    )
+    await end_unrun(run, [error], wanted=BatchStatus.EXPIRED)
 
 
 async def end_with_results(

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable, Collection
 
 from sqlalchemy.engine import Engine
 
@@ -25,11 +26,19 @@ log = logging.getLogger("vbatch.engine")
 
 
 class LeaseHolder:
-    def __init__(self, runs: Runs) -> None:
+    def __init__(self, runs: Runs, serves: Callable[[], Collection[str]]) -> None:
+        """`serves`: the models (and adapters) this service's engine serves, now."""
         self.runs = runs
         self.name = leases.holder_name()
+        self.serves = serves
         # At most this many batches at once (None: every active batch, as `vbatch serve` alone does).
         self.hold_at_most: int | None = None
+
+    def _models(self) -> Collection[str] | None:
+        """The models of the batches it claims: beside other workers, those it serves (`leases.claim`); alone
+        (`vbatch serve`), any, as no other service could take a batch for another model, which fails validation
+        at once."""
+        return None if self.hold_at_most is None else list(self.serves())
 
     async def release_dead(self, db: Engine) -> None:
         with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
@@ -61,7 +70,14 @@ class LeaseHolder:
         """Hold what the claim took even when a stop cancels the wait for it: a lease taken without this service
         knowing would not be released at the stop, and would keep its batch from every other one until it ran out."""
         claiming = asyncio.ensure_future(
-            asyncio.to_thread(leases.claim, db=db, holder=self.name, seconds=settings.lease_seconds, limit=room)
+            asyncio.to_thread(
+                leases.claim,
+                db=db,
+                holder=self.name,
+                seconds=settings.lease_seconds,
+                limit=room,
+                models=self._models(),
+            )
         )
         try:
             claimed = await asyncio.shield(claiming)

@@ -27,7 +27,15 @@ from app.domain.online import as_batch_line
 from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.context import Context
-from app.engine.ending import end_out_of_disk, end_unrun, end_with_results, input_gone, record_unfinished
+from app.engine.ending import (
+    end_out_of_disk,
+    end_unrun,
+    end_unserved,
+    end_with_results,
+    input_gone,
+    record_unfinished,
+    unserved,
+)
 from app.engine.execution import FixedSlots, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
@@ -60,6 +68,9 @@ async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
 
 
 async def _run_batch(ctx: Context, run: Run) -> None:
+    if unserved(run.row, ctx.served_models):
+        await end_unserved(run)
+        return
     if run.row.status == BatchStatus.VALIDATING and not await validate(ctx, run):
         return
     row = run.row

@@ -64,7 +64,7 @@ class EngineService:
         self._bridge = EngineThread()
         self._ctx: Context | None = None
         self.runs = Runs()
-        self._holder = LeaseHolder(self.runs)
+        self._holder = LeaseHolder(self.runs, serves=lambda: self.served_models)
         # The batch window (`Context.window`, once there is one) hears of online traffic.
         self._online = OnlineRequests(
             live=self.live, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
