@@ -48,6 +48,20 @@ class LoraDir:
             return cached
         return self._copy(name, cached)
 
+    def has(self, name: str) -> bool:
+        """Whether there is an adapter folder called `name`, without copying it."""
+        if not _plain_name(name):
+            return False
+        if not self.remote:
+            return (Path(self.url) / name).is_dir()
+        if (self.cache / name).is_dir():
+            return True
+        import obstore
+        from obstore.store import from_url
+
+        refuse_on_loop("obstore.list")
+        return any(batch for batch in obstore.list(from_url(self.url), prefix=f"{name}/", chunk_size=1))
+
     def _copy(self, name: str, cached: Path) -> Path | None:
         import obstore
         from obstore.store import from_url
