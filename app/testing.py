@@ -191,7 +191,11 @@ class FakeServing:
     data_parallel_size = 1
 
     def __init__(
-        self, executor: FakeExecutor, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        executor: FakeExecutor,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        max_lora_rank: int | None = None,
     ) -> None:
         self.executor = executor
         self.adapters = [Adapter(name=name, parent=FAKE_MODEL, root=f"/adapters/{name}") for name in adapters]
@@ -203,6 +207,8 @@ class FakeServing:
             "data_parallel_size": self.data_parallel_size,
             "scheduling_policy": scheduling_policy,
         }
+        if max_lora_rank is not None:  # as vLLM's with --enable-lora (`vllm_adapter._engine_config`)
+            self.engine_config.update(enable_lora=True, max_lora_rank=max_lora_rank)
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
     async def is_alive(self) -> bool:
@@ -229,13 +235,20 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides."""
+    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides;
+    `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say)."""
 
     def __init__(
-        self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        *,
+        data_parallel_size: int = 1,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        max_lora_rank: int | None = None,
     ) -> None:
         self.executor = FakeExecutor()
         self.adapters = list(adapters)
+        self.max_lora_rank = max_lora_rank
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
@@ -247,7 +260,7 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters)
+        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters, self.max_lora_rank)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 
