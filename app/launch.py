@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from app.core import failpoints
 from app.core.config import Settings
+from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.adapters import Adapter
 from app.engine import default_model
 from app.engine.serving import EngineFactory, poisoned
@@ -50,7 +51,8 @@ def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     prepare_engine_args(argv, args, settings)
-    service = EngineService(engine_factory_from(args), models=announced_models(args), adapters=announced_adapters(args))
+    factory = engine_factory_from(args, lora_dir(settings))
+    service = EngineService(factory, models=announced_models(args), adapters=announced_adapters(args))
     return create_app(settings, service, Role(role)), settings
 
 
@@ -148,10 +150,11 @@ def _cpu_defaults(args: argparse.Namespace) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
 
 
-def engine_factory_from(args: argparse.Namespace) -> EngineFactory:
+def engine_factory_from(args: argparse.Namespace, found_adapters: LoraDir | None = None) -> EngineFactory:
+    """`found_adapters`: where the engine finds adapters by name at their first use (`VBATCH_LORA_DIR`)."""
     from app.engine.vllm_adapter import engine_factory
 
-    factory = engine_factory(args)
+    factory = engine_factory(args, found_adapters)
     if failpoints.ARMED.armed(failpoints.POISON):
         factory = poisoned(factory, failpoints.POISON_USER)
     return factory

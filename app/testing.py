@@ -196,6 +196,7 @@ class FakeServing:
         scheduling_policy: str = "priority",
         adapters: Sequence[str] = (),
         model: str = FAKE_MODEL,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.executor = executor
         self.adapters = [Adapter(name=name, parent=model, root=f"/adapters/{name}") for name in adapters]
@@ -207,6 +208,8 @@ class FakeServing:
             "data_parallel_size": self.data_parallel_size,
             "scheduling_policy": scheduling_policy,
         }
+        if max_lora_rank is not None:  # as vLLM's with --enable-lora (`vllm_adapter._engine_config`)
+            self.engine_config.update(enable_lora=True, max_lora_rank=max_lora_rank)
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
     async def is_alive(self) -> bool:
@@ -233,7 +236,8 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it."""
+    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it;
+    `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say)."""
 
     def __init__(
         self,
@@ -242,10 +246,12 @@ class FakeEngine:
         scheduling_policy: str = "priority",
         adapters: Sequence[str] = (),
         model: str = FAKE_MODEL,
+        max_lora_rank: int | None = None,
     ) -> None:
         self.executor = FakeExecutor()
         self.model = model
         self.adapters = list(adapters)
+        self.max_lora_rank = max_lora_rank
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
@@ -257,7 +263,9 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters, self.model)
+        self.serving = FakeServing(
+            self.executor, self.scheduling_policy, self.adapters, model=self.model, max_lora_rank=self.max_lora_rank
+        )
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 

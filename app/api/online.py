@@ -34,6 +34,7 @@ from app.api.errors import (
     stream_error_event,
 )
 from app.core.errors import DomainError
+from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.errors import ModelNotServed
 from app.domain.online import ONLINE_ENDPOINTS, OnlineAnswer, online_priority
 from app.domain.ratelimits import (
@@ -83,6 +84,7 @@ class OnlineCall:
         self.limiter: RateLimiter = state.online_limits
         self.metrics: OnlineMetrics = state.metrics.online
         self.most_bytes: int = state.settings.max_json_body_bytes
+        self.found_adapters = lora_dir(state.settings)
         self.key = key_label(owner)
         self.model = UNKNOWN_MODEL
         self.started = time.perf_counter()
@@ -92,7 +94,8 @@ class OnlineCall:
         try:
             body = await json_object(self.request, self.most_bytes)
             # An API replica reads the served models from the workers' beats in the database: off the loop.
-            self.model = self._served_model(body, await asyncio.to_thread(_served_models, self.engine))
+            served = await asyncio.to_thread(_served_models, self.engine, body.get("model"), self.found_adapters)
+            self.model = self._served_model(body, served)
             online_priority(body)  # an unknown service_tier is refused before anything is charged
             self.admission = self.limiter.admit(
                 self.owner, tokens=estimated_tokens(self.endpoint, body), model=self.model
@@ -151,8 +154,13 @@ class OnlineCall:
         self.metrics.ended(key=self.key, model=self.model, seconds=seconds, output_tokens=output)
 
 
-def _served_models(engine: EngineView) -> list[str]:
-    return engine.served_models
+def _served_models(engine: EngineView, model: object, found_adapters: LoraDir | None) -> list[str]:
+    """The served models, and `model` too when it is an adapter of `VBATCH_LORA_DIR`: the engine loads it at this
+    first use, and answers whatever keeps it from serving (another base model, too high a rank)."""
+    served = engine.served_models
+    if found_adapters is None or not isinstance(model, str) or not model or model in served:
+        return served
+    return [*served, model] if found_adapters.has(model) else served
 
 
 class MeasuredEvents:

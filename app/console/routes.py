@@ -39,6 +39,7 @@ from app.console.headers import with_console_headers
 from app.console.sessions import Session
 from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
+from app.core.lora_dir import lora_dir
 from app.domain import batches, files
 from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
@@ -46,6 +47,7 @@ from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
 from app.domain.validation import Limits, validate_file
+from app.engine.found_adapters import adapter_finder
 
 PAGE_SIZE = 20
 FIRST_ERROR_LINES = 10
@@ -282,8 +284,11 @@ async def upload(
 
 def _check_lines(path: Path, settings, endpoint: str, engine):
     # An API replica's engine view reads the served models from the workers' beats in the database.
+    served = engine.served_models
+    # Without an engine yet, its rank limit is unknown: the batch's own validation, on the engine, checks it.
+    found = adapter_finder(lora_dir(settings), base=served[0], engine_config=engine.engine_config) if served else None
     limits = Limits.from_settings(
-        settings, endpoint=endpoint, served_models=engine.served_models, parents=parents(engine.adapters)
+        settings, endpoint=endpoint, served_models=served, parents=parents(engine.adapters), find_adapter=found
     )
     return validate_file(path, limits)
 

@@ -45,6 +45,10 @@ class Settings(BaseSettings):
     # S3-compatible store (credentials, region and endpoint from the usual AWS_* variables), the data directory then
     # holding only scratch (part files as they are written, local copies of inputs being run).
     storage_url: str | None = None
+    # LoRA adapters found by name at first use (`app.core.lora_dir`): a local folder or `s3://bucket/prefix` holding
+    # one folder per adapter, `<name>/adapter_config.json` and its weights. A line or online request whose `model` is
+    # no served name but such a folder's runs on that adapter of the base model (the engine needs `--enable-lora`).
+    lora_dir: str | None = None
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys, comma-separated and/or one a line in a file. With none, vbatch serves loopback only.
@@ -194,6 +198,11 @@ class Settings(BaseSettings):
     def database(self) -> str:
         """The database's URL, set or default."""
         return self.database_url or f"sqlite:///{self.database_path}"
+
+    @property
+    def lora_cache_dir(self) -> Path:
+        """Where adapters of an `s3://` `lora_dir` are copied at their first use."""
+        return self.data_dir / "lora-cache"
 
     @property
     def files_dir(self) -> Path:

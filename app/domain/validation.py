@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from itertools import accumulate
 from pathlib import Path
 
 from app.core.config import Settings
+from app.domain.adapters import Adapter, AdapterProblem
 from app.domain.input_index import InputIndex
 from app.domain.schemas import BatchError
 
@@ -30,6 +31,9 @@ class Limits:
     max_choices: int = 128
     # Each served LoRA adapter's base model: a batch may mix a base model and its adapters (`app.domain.adapters`).
     parents: Mapping[str, str] = field(default_factory=dict)
+    # Adapters found by name in `VBATCH_LORA_DIR` (`app.domain.adapters.AdapterFinder`): asked of a name that is
+    # not served, once a validation.
+    find_adapter: Callable[[str], Adapter | AdapterProblem | None] | None = None
 
     @classmethod
     def from_settings(
@@ -39,6 +43,7 @@ class Limits:
         endpoint: str,
         served_models: Iterable[str],
         parents: Mapping[str, str] | None = None,
+        find_adapter: Callable[[str], Adapter | AdapterProblem | None] | None = None,
     ) -> Limits:
         return cls(
             endpoint=endpoint,
@@ -47,6 +52,7 @@ class Limits:
             max_line_bytes=settings.max_line_bytes,
             max_choices=settings.max_choices_per_request,
             parents=dict(parents or {}),
+            find_adapter=find_adapter,
         )
 
     def base_of(self, model: str) -> str:
@@ -63,6 +69,8 @@ class Report:
     error_count: int = 0
     # Every valid line; the batch runs from it once the whole file is valid.
     index: InputIndex = field(default_factory=InputIndex)
+    # What `Limits.find_adapter` said of each name the lines gave that is not served: asked once a name.
+    looked_up: dict[str, Adapter | AdapterProblem | None] = field(default_factory=dict)
 
     def add(self, code: str, message: str, *, line: int | None = None, param: str | None = None) -> None:
         self.error_count += 1
@@ -72,6 +80,15 @@ class Report:
     @property
     def ok(self) -> bool:
         return self.error_count == 0
+
+    @property
+    def found_adapters(self) -> list[Adapter]:
+        """The adapters of `VBATCH_LORA_DIR` the lines name."""
+        return [found for found in self.looked_up.values() if isinstance(found, Adapter)]
+
+    def base_of(self, model: str, limits: Limits) -> str:
+        found = self.looked_up.get(model)
+        return found.parent if isinstance(found, Adapter) else limits.base_of(model)
 
 
 @dataclass(frozen=True)
@@ -305,7 +322,7 @@ def _model_ok(number: int, body: dict, limits: Limits, report: Report) -> bool:
     model = body.get("model")
     if model is None:
         return True
-    if not isinstance(model, str) or model not in limits.served_models:
+    if not isinstance(model, str) or (model not in limits.served_models and not _found(model, limits, report)):
         report.add(
             "model_not_found",
             f"The model {_show(model)} is not served here. Served: {', '.join(sorted(limits.served_models))}.",
@@ -313,9 +330,13 @@ def _model_ok(number: int, body: dict, limits: Limits, report: Report) -> bool:
             param="body.model",
         )
         return False
+    found = report.looked_up.get(model)
+    if isinstance(found, AdapterProblem):
+        report.add(found.code, found.message, line=number, param="body.model")
+        return False
     if report.model is None:
         report.model = model
-    elif limits.base_of(model) != limits.base_of(report.model):
+    elif report.base_of(model, limits) != report.base_of(report.model, limits):
         report.add(
             "mismatched_model",
             f"Every line must use the same model, or it and its LoRA adapters: line has {_show(model)}, earlier "
@@ -325,8 +346,17 @@ def _model_ok(number: int, body: dict, limits: Limits, report: Report) -> bool:
         )
         return False
     elif model != report.model:
-        report.model = limits.base_of(model)
+        report.model = report.base_of(model, limits)
     return True
+
+
+def _found(model: str, limits: Limits, report: Report) -> bool:
+    """Whether `VBATCH_LORA_DIR` has a folder by this name (an adapter, or why it cannot be one)."""
+    if limits.find_adapter is None:
+        return False
+    if model not in report.looked_up:
+        report.looked_up[model] = limits.find_adapter(model)
+    return report.looked_up[model] is not None
 
 
 def validate_file(path: Path, limits: Limits) -> Report:

@@ -3,13 +3,14 @@ registry of the batches this service holds (`runs.py`). What is one batch's alon
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
 from app.core.storage import Storage
-from app.domain.adapters import Adapter
+from app.domain.adapters import Adapter, AdapterFinder
 from app.engine.feed import Changes, FairFeed
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
@@ -44,3 +45,7 @@ class Context:
     changes: Changes = field(default_factory=Changes)
     # The batches this service holds (`app.engine.runs`): a run shows its live numbers there.
     runs: Runs = field(default_factory=Runs)
+    # Adapters found by name in `VBATCH_LORA_DIR` (None: unset), and where a batch that runs on some tells of them:
+    # the service lists them with its served models from then on (`EngineService.announce`).
+    find_adapter: AdapterFinder | None = None
+    announce: Callable[[Iterable[Adapter]], None] = lambda adapters: None

@@ -26,7 +26,11 @@ log = logging.getLogger("vbatch.runner")
 
 def _limits(ctx: Context, run: Run) -> Limits:
     return Limits.from_settings(
-        ctx.settings, endpoint=run.row.endpoint, served_models=ctx.served_models, parents=parents(ctx.adapters)
+        ctx.settings,
+        endpoint=run.row.endpoint,
+        served_models=ctx.served_models,
+        parents=parents(ctx.adapters),
+        find_adapter=ctx.find_adapter,
     )
 
 
@@ -64,6 +68,7 @@ async def validate(ctx: Context, run: Run) -> bool:
     except InvalidTransition:  # a cancel came first: the batch ends as it says
         await end_unrun(run)
         return False
+    ctx.announce(report.found_adapters)
     # A parent of shards runs none of its lines itself (`shards.run_parent`).
     run.index = None if shards else report.index
     return True

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from collections.abc import Iterable
 from contextlib import AsyncExitStack
 from typing import Literal
 
@@ -21,6 +22,7 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock, logs
 from app.core.config import Settings
+from app.core.lora_dir import lora_dir
 from app.core.storage import Storage
 from app.domain import workers
 from app.domain.adapters import Adapter
@@ -30,6 +32,7 @@ from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.bridge import EngineThread
 from app.engine.context import Context
+from app.engine.found_adapters import adapter_finder
 from app.engine.holder import LeaseHolder
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
@@ -56,6 +59,7 @@ class EngineService:
         self.live = LiveEngine(self._start_engine, self._stop_engine)
         self.adapters: list[Adapter] = list(adapters or [])
         self.served_models: list[str] = list(models or []) + [adapter.name for adapter in self.adapters]
+        self._found: dict[str, Adapter] = {}  # adapters of `VBATCH_LORA_DIR` batches have run on (`announce`)
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
@@ -120,6 +124,19 @@ class EngineService:
             url=self.url,
             online_in_flight=self._online.in_flight,
         )
+
+    def announce(self, found: Iterable[Adapter]) -> None:
+        """Adapters of `VBATCH_LORA_DIR` a batch runs on (the engine loads each at its first line): listed with the
+        served models from now on, in /v1/models and in this worker's beats, across engine restarts (the engine
+        loads them again at their next use). From any thread: the lists are replaced, never changed in place."""
+        self._found.update((adapter.name, adapter) for adapter in found)
+        self._list_models(self.served_models, self.adapters)
+
+    def _list_models(self, served: list[str], adapters: list[Adapter]) -> None:
+        """`served` and `adapters` as the engine lists them, then the found adapters it does not list (yet)."""
+        found = [adapter for name, adapter in self._found.items() if name not in served]
+        self.adapters = [*adapters, *found]
+        self.served_models = [*served, *(adapter.name for adapter in found)]
 
     def advertise(self, url: str) -> None:
         """Where this service answers online requests forwarded by `vbatch api`, when that is known only once its
@@ -233,6 +250,10 @@ class EngineService:
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,
             batch_priority=schedules_by_priority(serving),
+            find_adapter=adapter_finder(
+                lora_dir(settings), base=self.served_models[0], engine_config=serving.engine_config
+            ),
+            announce=self.announce,
         )
         self._ctx = ctx
         logs.ensure_enabled()
@@ -243,8 +264,7 @@ class EngineService:
         assert self.factory is not None, "an engine service needs an engine factory to start an engine"
         self._stack = AsyncExitStack()
         serving = await self._stack.enter_async_context(self.factory())
-        self.served_models = serving.served_models
-        self.adapters = serving.adapters
+        self._list_models(serving.served_models, serving.adapters)
         self.engine_config = dict(serving.engine_config)
         self.model_name = self.served_models[0]
         return serving

@@ -84,6 +84,7 @@ class WorkersView:
         self._db: Engine | None = None
         self._lock = threading.Lock()
         self._read_at = 0.0
+        self._finds_adapters = False  # whether `VBATCH_LORA_DIR` is set (`start`)
         self._seen: list[WorkerState] = []
         self._forwarder: Forwarder | None = None
 
@@ -98,6 +99,7 @@ class WorkersView:
     ) -> None:
         self._db = db
         self._forwarder = Forwarder(silence_seconds=settings.forward_silence_seconds)
+        self._finds_adapters = settings.lora_dir is not None
 
     async def stop(self) -> None:
         self._db = None
@@ -173,6 +175,9 @@ class WorkersView:
         # The database is read on a thread (at most once a second): never on the loop, which serves every request.
         seen = await asyncio.to_thread(self.workers) if self._stale() else self._seen
         able = self._forwarder.candidates(seen, body.get("model"))
+        if not able and self._finds_adapters:
+            # An adapter of VBATCH_LORA_DIR no worker has loaded yet (the API found its folder): any worker loads it.
+            able = self._forwarder.candidates(seen, None)
         if not able:
             state = _state_of(seen)
             raise EngineUnavailable(UNREACHABLE if state == "ok" else state)

@@ -25,9 +25,11 @@ import vllm
 from starlette.datastructures import State
 from starlette.requests import Request
 
-from app.domain.adapters import Adapter
+from app.core.lora_dir import LoraDir
+from app.domain.adapters import Adapter, AdapterProblem
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
+from app.engine.found_adapters import adapter_finder
 from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, Stream
 
 VLLM_VERSION: str = vllm.__version__
@@ -50,6 +52,10 @@ def _server_module() -> Any:
 
 def _cli_args_module() -> Any:
     return _first_module("vllm.entrypoints.launchers.cli_args", "vllm.entrypoints.openai.cli_args")
+
+
+def _lora_protocol() -> Any:
+    return _first_module("vllm.entrypoints.serve.lora.protocol", "vllm.entrypoints.openai.protocol")
 
 
 def _run_batch_module() -> Any:
@@ -115,9 +121,12 @@ def _request_type(method: Callable[..., Any]) -> type:
 class ServingLayer:
     """The OpenAI serving objects of one live engine, called per batch line."""
 
-    def __init__(self, engine_client: Any, state: State) -> None:
+    def __init__(self, engine_client: Any, state: State, lora_dir: LoraDir | None = None) -> None:
         self.engine_client = engine_client
         self._state = state
+        base = state.openai_serving_models.base_model_paths[0].name
+        self._find_adapter = adapter_finder(lora_dir, base=base, engine_config=self.engine_config)
+        self._loading = asyncio.Lock()  # one adapter loaded at a time: each is loaded once, at its first request
         self._handlers = self._collect(state)
         rb = _run_batch_module()
         self._error_response_type = rb.ErrorResponse
@@ -200,11 +209,39 @@ class ServingLayer:
         except ValueError as exc:
             return self._error(exc)
         try:
+            refused = await self._load_found_adapter(body.get("model"))
+            if refused is not None:
+                return refused
             return await handler.call(request, raw_request)
         except self._dead_error as exc:
             raise EngineDead(str(exc)) from exc
         except Exception as exc:
             return self._error(exc)
+
+    async def _load_found_adapter(self, model: object) -> tuple[int, dict] | None:
+        """Load the adapter of `VBATCH_LORA_DIR` the request names if it is not loaded yet, as `--lora-modules` ones
+        are loaded at start (vLLM's `load_lora_adapter`); each process with a serving layer loads it for its own
+        requests. An error answer when it cannot serve; None otherwise, a name found nowhere included: the handler
+        answers that as for any model it does not know."""
+        models = self._state.openai_serving_models
+        if self._find_adapter is None or not isinstance(model, str) or model in models.lora_requests:
+            return None
+        if models.is_base_model(model):
+            return None
+        async with self._loading:
+            if model in models.lora_requests:  # loaded while this one waited
+                return None
+            found = await asyncio.to_thread(self._find_adapter, model)
+            if found is None:
+                return None
+            if isinstance(found, AdapterProblem):
+                return self._error(ValueError(found.message))
+            request = _lora_protocol().LoadLoRAAdapterRequest(lora_name=found.name, lora_path=found.root)
+            loaded = await models.load_lora_adapter(request, base_model_name=found.parent)
+        if isinstance(loaded, self._error_response_type):
+            # Weights the engine refuses are the request's problem, not the server's: vLLM answers them with a 500.
+            return self._error(ValueError(f"The LoRA adapter {model!r} could not be loaded: {loaded.error.message}"))
+        return None
 
     def _as_json(self, result: Any) -> tuple[int, Body]:
         if isinstance(result, self._error_response_type):
@@ -293,13 +330,14 @@ def _embedding_request_type(serving: Any) -> type:
     return _Adapter  # type: ignore[return-value]
 
 
-def engine_factory(args: argparse.Namespace) -> EngineFactory:
+def engine_factory(args: argparse.Namespace, lora_dir: LoraDir | None = None) -> EngineFactory:
     """Starts engines with `vllm serve`'s arguments (`app.engine.serving.EngineFactory`): the serving layer in this
-    process, or in `--api-server-count` front-end processes (`app.engine.frontends`)."""
+    process, or in `--api-server-count` front-end processes (`app.engine.frontends`). Each serving layer loads the
+    adapters of `lora_dir` (`VBATCH_LORA_DIR`) its requests name."""
     count = frontend_count(args)
     if count > 1:
-        return functools.partial(live_frontends, args, count)
-    return functools.partial(live_engine, args)
+        return functools.partial(live_frontends, args, count, lora_dir)
+    return functools.partial(live_engine, args, lora_dir)
 
 
 def frontend_count(args: argparse.Namespace) -> int:
@@ -316,14 +354,16 @@ def frontend_count(args: argparse.Namespace) -> int:
 
 
 @asynccontextmanager
-async def live_engine(args: argparse.Namespace) -> AsyncIterator[ServingLayer]:
+async def live_engine(args: argparse.Namespace, lora_dir: LoraDir | None = None) -> AsyncIterator[ServingLayer]:
     """Start one engine with LLM-class defaults (sized for throughput, not for interactive serving)."""
-    async with _serving_layer(args) as layer:
+    async with _serving_layer(args, lora_dir=lora_dir) as layer:
         yield layer
 
 
 @asynccontextmanager
-async def _serving_layer(args: argparse.Namespace, client_config: dict | None = None) -> AsyncIterator[ServingLayer]:
+async def _serving_layer(
+    args: argparse.Namespace, client_config: dict | None = None, lora_dir: LoraDir | None = None
+) -> AsyncIterator[ServingLayer]:
     """An engine client with the OpenAI serving objects over it: a new engine, or (with `client_config`) a client
     of engine cores another process launched."""
     from vllm.usage.usage_lib import UsageContext
@@ -336,14 +376,16 @@ async def _serving_layer(args: argparse.Namespace, client_config: dict | None = 
         state = State()
         supported_tasks = await engine_client.get_supported_tasks()
         await server.init_app_state(engine_client, state, args, supported_tasks)
-        yield ServingLayer(engine_client, state)
+        yield ServingLayer(engine_client, state, lora_dir)
 
 
 LAUNCH_ATTEMPTS = 3
 
 
 @asynccontextmanager
-async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[frontends.FrontendPool]:
+async def live_frontends(
+    args: argparse.Namespace, count: int, lora_dir: LoraDir | None = None
+) -> AsyncIterator[frontends.FrontendPool]:
     """The engine cores and `count` front-end processes, launched as `vllm serve --api-server-count` launches them
     (vLLM's own `launch_core_engines` and `APIServerProcessManager`), each front end running `frontends.serve`."""
     from vllm.v1.metrics.prometheus import get_prometheus_registry, setup_multiprocess_prometheus
@@ -352,7 +394,7 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
     for attempt in range(1, LAUNCH_ATTEMPTS + 1):
         with tempfile.TemporaryDirectory(prefix="vbatch-fe-") as folder:
             address = f"ipc://{folder}/pool"
-            launched = await asyncio.to_thread(_launch, args, count, address)
+            launched = await asyncio.to_thread(_launch, args, count, address, lora_dir)
             pool = frontends.FrontendPool(
                 address=address,
                 processes=launched.frontends.processes,
@@ -382,8 +424,9 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
 
 
 def _engine_config(config: typing.Any) -> dict[str, object]:
-    scheduler, parallel = config.scheduler_config, config.parallel_config
+    scheduler, parallel, lora = config.scheduler_config, config.parallel_config, config.lora_config
     return {
+        "model": config.model_config.model,
         "max_model_len": config.model_config.max_model_len,
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
@@ -392,6 +435,8 @@ def _engine_config(config: typing.Any) -> dict[str, object]:
         "data_parallel_size": parallel.data_parallel_size,
         "dtype": str(config.model_config.dtype).removeprefix("torch."),
         "scheduling_policy": str(scheduler.policy),
+        "enable_lora": lora is not None,
+        "max_lora_rank": lora.max_lora_rank if lora is not None else None,
     }
 
 
@@ -415,7 +460,7 @@ class _Launched:
                 part.shutdown()
 
 
-def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
+def _launch(args: argparse.Namespace, count: int, address: str, lora_dir: LoraDir | None) -> _Launched:
     """Blocking: returns once the engine cores have shaken hands with every front end."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.usage.usage_lib import UsageContext
@@ -432,7 +477,7 @@ def _launch(args: argparse.Namespace, count: int, address: str) -> _Launched:
     executor = Executor.get_class(config)
     log_stats = not engine_args.disable_log_stats
     common: dict[str, Any] = {"listen_address": address, "sock": None, "args": args, "num_servers": count}
-    common["target_server_fn"] = _frontend_main
+    common["target_server_fn"] = functools.partial(_frontend_main, lora_dir=lora_dir)
     if hasattr(engine_utils, "bind_engine_zmq_listeners"):  # vLLM 0.32: the parent binds the listeners
         listeners = engine_utils.bind_engine_zmq_listeners(config, count)
         with engine_utils.launch_core_engines(config, executor, log_stats, listeners.addresses) as launch:
@@ -464,7 +509,9 @@ def _stats_address(coordinator: Any) -> str | None:
     return coordinator.get_stats_publish_address() if coordinator else None
 
 
-def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, client_config: dict) -> None:
+def _frontend_main(
+    listen_address: str, sock: Any, args: argparse.Namespace, client_config: dict, lora_dir: LoraDir | None = None
+) -> None:
     """A front-end process (vLLM's `APIServerProcessManager` target): an engine client and serving layer, driven
     by the pool at `listen_address` instead of an HTTP socket."""
     import uvloop
@@ -481,7 +528,7 @@ def _frontend_main(listen_address: str, sock: Any, args: argparse.Namespace, cli
     async def main() -> None:
         frontends.watch_for_stack_dumps()
         frontends.log.info("front end %d: connecting to the engine", index)
-        async with _serving_layer(args, client_config) as layer:
+        async with _serving_layer(args, client_config, lora_dir) as layer:
             await frontends.serve(layer, listen_address, index)
 
     uvloop.run(main())  # as vLLM's own API server processes run

@@ -1,7 +1,8 @@
 """LoRA adapters per line on the real engine (issue 30): `vbatch serve` with vLLM's own LoRA flags and two small
 adapters of SmolLM2 written by the test session; through the openai SDK a batch mixing the base model and both
 adapters is answered line by line by the model each line names, /v1/models lists the adapters with their base
-model, and an online request runs on an adapter."""
+model, and an online request runs on an adapter. The same server finds adapters by name in `VBATCH_LORA_DIR`: one
+only there answers a batch and is listed after; a too wide one fails validation on its line."""
 
 from __future__ import annotations
 
@@ -23,10 +24,12 @@ RANK = 8
 # SmolLM2-135M: 30 layers of hidden size 576; 9 query heads and 3 key-value heads of 64.
 LAYERS, HIDDEN, V_OUT = 30, 576, 192
 ADAPTERS = ("a", "b")
+FOUND = "found"  # only in VBATCH_LORA_DIR
+TOO_WIDE = "too-wide"  # in VBATCH_LORA_DIR, of a rank above --max-lora-rank
 
 
-def write_adapter(folder: Path, base_model: Path, seed: int) -> Path:
-    """A PEFT LoRA adapter of rank 8 on q_proj and v_proj with random weights: what vLLM loads for
+def write_adapter(folder: Path, base_model: Path, seed: int, rank: int = RANK) -> Path:
+    """A PEFT LoRA adapter of `rank` on q_proj and v_proj with random weights: what vLLM loads for
     `--lora-modules` (its answers need not make sense, only come from the adapter)."""
     import torch
     from safetensors.torch import save_file
@@ -34,7 +37,7 @@ def write_adapter(folder: Path, base_model: Path, seed: int) -> Path:
     folder.mkdir(parents=True)
     config = {
         "peft_type": "LORA",
-        "r": RANK,
+        "r": rank,
         "lora_alpha": 16,
         "target_modules": ["q_proj", "v_proj"],
         "base_model_name_or_path": str(base_model),
@@ -47,8 +50,8 @@ def write_adapter(folder: Path, base_model: Path, seed: int) -> Path:
     for layer in range(LAYERS):
         for name, out in (("q_proj", HIDDEN), ("v_proj", V_OUT)):
             prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(RANK, HIDDEN, generator=generator) * 0.01
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, RANK, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=generator) * 0.01
+            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.01
     save_file({key: value.to(torch.bfloat16) for key, value in tensors.items()}, folder / "adapter_model.safetensors")
     return folder
 
@@ -57,11 +60,13 @@ def write_adapter(folder: Path, base_model: Path, seed: int) -> Path:
 def lora_server(tmp_path_factory, model_path) -> Iterator[tuple[VbatchServer, dict[str, Path]]]:
     base = tmp_path_factory.mktemp("vbatch-lora")
     paths = {name: write_adapter(base / f"adapter-{name}", model_path, seed) for seed, name in enumerate(ADAPTERS)}
+    paths[FOUND] = write_adapter(base / "lora-dir" / FOUND, model_path, seed=7)
+    write_adapter(base / "lora-dir" / TOO_WIDE, model_path, seed=8, rank=2 * RANK)
     flags = [*engine_flags(model_path), "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2"]
     flags += ["--lora-modules", *(f"{name}={path}" for name, path in paths.items())]
     if is_cpu_build():
         flags += ["--gpu-memory-utilization", "0.15"]
-    env = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2"}
+    env = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2", "VBATCH_LORA_DIR": str(base / "lora-dir")}
     server = VbatchServer(base / "data", free_port(), flags, base / "serve.log", env=env)
     try:
         server.wait_ready(timeout=STARTUP_SECONDS)
@@ -99,7 +104,7 @@ def test_a_batch_mixing_the_base_model_and_two_adapters_answers_each_line_with_t
 def test_models_lists_the_adapters_with_the_base_model_as_parent(client, lora_server):
     _, paths = lora_server
     listed = {model.id: model for model in client.models.list().data}
-    assert set(listed) == {MODEL, *ADAPTERS}
+    assert set(listed) - {FOUND} == {MODEL, *ADAPTERS}
     for name in ADAPTERS:
         card = listed[name].model_dump()
         assert (card["parent"], card["root"]) == (MODEL, str(paths[name]))
@@ -111,3 +116,29 @@ def test_an_online_request_naming_an_adapter_is_answered_by_it(client):
     answer = client.chat.completions.create(model="b", messages=[{"role": "user", "content": "Say hi."}], max_tokens=8)
     assert answer.model == "b"
     assert answer.choices[0].message.content is not None
+
+
+def test_an_adapter_only_in_the_lora_dir_answers_a_batch_and_is_listed_after(client, lora_server):
+    _, paths = lora_server
+    models = [FOUND, MODEL, FOUND]
+    lines = [chat_line(f"f{i}", f"Name a fruit ({i}).") for i in range(len(models))]
+    for line, model in zip(lines, models, strict=True):
+        line["body"]["model"] = model
+    batch = wait_terminal(client, submit(client, lines).id)
+    assert batch.status == "completed", batch.errors
+    answered = {row["custom_id"]: row["response"] for row in lines_of(client, batch.output_file_id)}
+    assert {custom_id: (r["status_code"], r["body"]["model"]) for custom_id, r in answered.items()} == {
+        f"f{i}": (200, model) for i, model in enumerate(models)
+    }
+    card = client.models.retrieve(FOUND).model_dump()
+    assert (card["parent"], card["root"]) == (MODEL, str(paths[FOUND]))
+    assert FOUND in {model.id for model in client.models.list().data}
+
+
+def test_an_adapter_of_the_lora_dir_above_the_max_lora_rank_fails_validation_on_its_line(client):
+    lines = [chat_line("w0", "Hi."), chat_line("w1", "Hi.")]
+    lines[1]["body"]["model"] = TOO_WIDE
+    batch = wait_terminal(client, submit(client, lines).id)
+    assert batch.status == "failed"
+    assert batch.errors is not None and batch.errors.data is not None
+    assert [(e.code, e.line) for e in batch.errors.data] == [("adapter_rank_too_large", 2)]
