@@ -191,7 +191,11 @@ class FakeServing:
     data_parallel_size = 1
 
     def __init__(
-        self, executor: FakeExecutor, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        executor: FakeExecutor,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        max_loras: int | None = None,
     ) -> None:
         self.executor = executor
         self.adapters = [Adapter(name=name, parent=FAKE_MODEL, root=f"/adapters/{name}") for name in adapters]
@@ -203,6 +207,8 @@ class FakeServing:
             "data_parallel_size": self.data_parallel_size,
             "scheduling_policy": scheduling_policy,
         }
+        if max_loras is not None:  # as vLLM's engine config has it only with LoRA on
+            self.engine_config["max_loras"] = max_loras
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
     async def is_alive(self) -> bool:
@@ -229,13 +235,20 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides."""
+    test sees all calls across restarts. `adapters`: names of LoRA adapters of `FAKE_MODEL` it serves besides, at
+    most `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent)."""
 
     def __init__(
-        self, *, data_parallel_size: int = 1, scheduling_policy: str = "priority", adapters: Sequence[str] = ()
+        self,
+        *,
+        data_parallel_size: int = 1,
+        scheduling_policy: str = "priority",
+        adapters: Sequence[str] = (),
+        max_loras: int | None = None,
     ) -> None:
         self.executor = FakeExecutor()
         self.adapters = list(adapters)
+        self.max_loras = max_loras
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
@@ -247,7 +260,7 @@ class FakeEngine:
         self.starts += 1
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
-        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters)
+        self.serving = FakeServing(self.executor, self.scheduling_policy, self.adapters, self.max_loras)
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving
 

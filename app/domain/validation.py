@@ -52,6 +52,11 @@ class Limits:
     def base_of(self, model: str) -> str:
         return self.parents.get(model, model)
 
+    def adapter_of(self, body: dict) -> str | None:
+        """The LoRA adapter a valid line names (None: the base model)."""
+        model = body.get("model")
+        return model if model in self.parents else None
+
 
 @dataclass
 class Report:
@@ -133,6 +138,7 @@ def validate_lines(lines: Iterable[RawLine], limits: Limits) -> Report:
                 length=len(line.data),
                 custom_id=request["custom_id"],
                 body=request["body"],
+                adapter=limits.adapter_of(request["body"]),
             )
     if report.total == 0:
         report.add("empty_file", "The input file is empty: it holds no requests.")

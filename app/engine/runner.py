@@ -32,7 +32,7 @@ from app.engine.execution import FixedSlots, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
-from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
+from app.engine.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import Checkpoint
 from app.engine.run import Run
 from app.engine.serving import EngineDead
@@ -238,6 +238,7 @@ class BatchRun:
                 on_all_submitted=release,
                 in_flight=in_flight,
                 engine_body=self._engine_body,
+                gate=adapter_gate(self.index, ctx.max_loras),
             )
         finally:
             release()

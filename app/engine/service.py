@@ -36,7 +36,7 @@ from app.engine.metrics import Metrics
 from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineFactory, Serving, engine_wave, schedules_by_priority
+from app.engine.serving import EngineFactory, Serving, engine_wave, max_loras, schedules_by_priority
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
@@ -233,6 +233,7 @@ class EngineService:
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,
             batch_priority=schedules_by_priority(serving),
+            max_loras=max_loras(serving),
         )
         self._ctx = ctx
         logs.ensure_enabled()

@@ -383,7 +383,7 @@ async def live_frontends(args: argparse.Namespace, count: int) -> AsyncIterator[
 
 def _engine_config(config: typing.Any) -> dict[str, object]:
     scheduler, parallel = config.scheduler_config, config.parallel_config
-    return {
+    found: dict[str, object] = {
         "max_model_len": config.model_config.max_model_len,
         "max_num_seqs": scheduler.max_num_seqs,
         "max_num_batched_tokens": scheduler.max_num_batched_tokens,
@@ -393,6 +393,9 @@ def _engine_config(config: typing.Any) -> dict[str, object]:
         "dtype": str(config.model_config.dtype).removeprefix("torch."),
         "scheduling_policy": str(scheduler.policy),
     }
+    if config.lora_config is not None:  # an engine with LoRA on; without, the console shows no such setting
+        found["max_loras"] = config.lora_config.max_loras
+    return found
 
 
 @dataclass
