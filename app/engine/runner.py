@@ -226,6 +226,14 @@ class BatchRun:
             self.meter.mark("all_sent")
             turn.release()
 
+        gate = adapter_gate(self.index, ctx.max_loras)
+        if gate is not None:
+            log.info(
+                "batch %s: lines of %d LoRA adapters, fed %d adapters at a time",
+                self.row.id,
+                self.index.adapter_count,
+                ctx.max_loras,
+            )
         try:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
@@ -238,7 +246,7 @@ class BatchRun:
                 on_all_submitted=release,
                 in_flight=in_flight,
                 engine_body=self._engine_body,
-                gate=adapter_gate(self.index, ctx.max_loras),
+                gate=gate,
             )
         finally:
             release()
