@@ -18,7 +18,8 @@ loads an adapter into a GPU slot again. So the plan puts each adapter's lines to
 at most `max_loras` adapters in at once (`AdapterGate`); the next adapter's first line waits for one of them to
 have none left in flight. Lines of the base model take no LoRA slot and never wait.
 
-Planning reads only the input index (`app.domain.input_index`): the digests validation computed, not the file.
+Planning reads only the input index (`app.domain.input_index`): the digests and adapters validation recorded, not
+the file.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def plan(index: InputIndex) -> list[Group]:
     """The lines adapter by adapter, the base model's being one more, in order of first appearance; within each,
     groups in order of first appearance: a shared-prefix group holds every line of the adapter with that prefix;
     lines without one (or whose prefix no other of its lines shares) keep their own order between the groups. A
-    prefix is shared within an adapter only: vLLM's prefix cache keys a block by its LoRA too."""
+    prefix is shared within an adapter only: vLLM's prefix cache keys a block by its LoRA too
+    (`vllm/v1/core/kv_cache_utils.py`, `_gen_lora_extra_hash_keys`)."""
     if not index.adapter_count:
         return _prefix_groups(index, range(len(index)), adapter=0)
     by_adapter: dict[int, array] = {}
