@@ -197,6 +197,7 @@ class FakeServing:
         adapters: Sequence[str] = (),
         model: str = FAKE_MODEL,
         max_lora_rank: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.executor = executor
         self.adapters = [Adapter(name=name, parent=model, root=f"/adapters/{name}") for name in adapters]
@@ -210,6 +211,8 @@ class FakeServing:
         }
         if max_lora_rank is not None:  # as vLLM's with --enable-lora (`vllm_adapter._engine_config`)
             self.engine_config.update(enable_lora=True, max_lora_rank=max_lora_rank)
+        if max_loras is not None:  # as vLLM's engine config has it only with LoRA on
+            self.engine_config["max_loras"] = max_loras
         self.alive = True  # a test sets it False to stand for an engine that died while idle
 
     async def is_alive(self) -> bool:
@@ -236,7 +239,8 @@ class FakeServing:
 
 class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it;
+    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
+    `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent);
     `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say)."""
 
     def __init__(
@@ -247,11 +251,13 @@ class FakeEngine:
         adapters: Sequence[str] = (),
         model: str = FAKE_MODEL,
         max_lora_rank: int | None = None,
+        max_loras: int | None = None,
     ) -> None:
         self.executor = FakeExecutor()
         self.model = model
         self.adapters = list(adapters)
         self.max_lora_rank = max_lora_rank
+        self.max_loras = max_loras
         self.data_parallel_size = data_parallel_size
         self.scheduling_policy = scheduling_policy  # vLLM's `--scheduling-policy` it stands for
         self.starts = 0
@@ -264,7 +270,12 @@ class FakeEngine:
         if self.starts > 1 and self.fail_restarts:
             raise RuntimeError("engine start failed")
         self.serving = FakeServing(
-            self.executor, self.scheduling_policy, self.adapters, model=self.model, max_lora_rank=self.max_lora_rank
+            self.executor,
+            self.scheduling_policy,
+            self.adapters,
+            model=self.model,
+            max_lora_rank=self.max_lora_rank,
+            max_loras=self.max_loras,
         )
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving

@@ -186,6 +186,9 @@ def test_one_adapter_alone_makes_a_batch_of_that_adapter_and_with_the_base_a_bat
     path.write_bytes(lines_naming(["tuned", FAKE_MODEL, "tuned-by-hub-id"]))
     report = validate_file(path, limits)
     assert report.ok and report.model == FAKE_MODEL
+    # The index knows each line's adapter, found ones too: the feed gates them by --max-loras as served ones.
+    index = report.index
+    assert [index.adapter_names[n] for n in index.adapter_numbers] == ["tuned", "", "tuned-by-hub-id"]
 
 
 # An s3:// prefix: each adapter copied once to the cache, at its first use.
@@ -265,7 +268,7 @@ def _layer(adapters: Path) -> Any:
         scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=2048, policy="priority"),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
         parallel_config=SimpleNamespace(tensor_parallel_size=1, data_parallel_size=1),
-        lora_config=SimpleNamespace(max_lora_rank=MAX_RANK),
+        lora_config=SimpleNamespace(max_lora_rank=MAX_RANK, max_loras=4),
     )
     engine_client = SimpleNamespace(vllm_config=config)
     return ServingLayer(engine_client, state, LoraDir(url=str(adapters), cache=adapters / "cache")), state

@@ -90,6 +90,13 @@ class Report:
         found = self.looked_up.get(model)
         return found.parent if isinstance(found, Adapter) else limits.base_of(model)
 
+    def adapter_of(self, body: dict, limits: Limits) -> str | None:
+        """The LoRA adapter a valid line names, served or found by name (None: the base model)."""
+        model = body.get("model")
+        if not isinstance(model, str):
+            return None
+        return model if model in limits.parents or isinstance(self.looked_up.get(model), Adapter) else None
+
 
 @dataclass(frozen=True)
 class RawLine:
@@ -150,6 +157,7 @@ def validate_lines(lines: Iterable[RawLine], limits: Limits) -> Report:
                 length=len(line.data),
                 custom_id=request["custom_id"],
                 body=request["body"],
+                adapter=report.adapter_of(request["body"], limits),
             )
     if report.total == 0:
         report.add("empty_file", "The input file is empty: it holds no requests.")

@@ -34,6 +34,9 @@ class Context:
     # Batch lines in flight at once, fewer while online requests need room (`app.engine.window`).
     window: BatchWindow
     metrics: Metrics
+    # LoRA adapters the engine runs at once (`--max-loras`; None: it serves none): a batch's lines of more adapters
+    # are fed a few adapters at a time (`app.engine.ordering.AdapterGate`).
+    max_loras: int | None = None
     # The engine schedules by priority (`--scheduling-policy priority`, vbatch's default): batch lines then run
     # behind online requests (`app.domain.online.as_batch_line`); under `fcfs` they keep the priority they have.
     batch_priority: bool = True

@@ -3,7 +3,8 @@
 A fixed set of worker coroutines pulls lines from one iterator, so memory follows what is in flight, not the
 size of the file. Each line holds a `Place` while it runs; the batch window (`app.engine.window`) may withdraw a
 line from its place to seat an online request: its request is aborted in the engine, and the line runs again once
-it has a place again, so it still gets exactly one outcome.
+it has a place again, so it still gets exactly one outcome. A `Gate` may hold the next line back until lines in
+flight make room for it (LoRA adapters, `app.engine.ordering`); lines wait there without a place.
 """
 
 from __future__ import annotations
@@ -44,6 +45,30 @@ class Slots(Protocol):
     def place(self) -> AbstractAsyncContextManager[Place]: ...
 
 
+class Gate(Protocol):
+    """Holds lines back while the engine should not take them yet, in the order they come
+    (`app.engine.ordering.AdapterGate`)."""
+
+    async def opened(self) -> None:
+        """Returns once a line held back may be let in (at once when none is)."""
+        ...
+
+    def admit(self, position: int) -> bool:
+        """Lets the line in; or False, and `opened` waits until lines let in before have made room for it."""
+        ...
+
+    def leave(self, position: int) -> None:
+        """The line let in has its outcome."""
+        ...
+
+
+class _Held:
+    """What the next line is when the gate holds it back."""
+
+
+HELD = _Held()
+
+
 class FixedSlots:
     """As many places as `size`; none is ever withdrawn."""
 
@@ -72,37 +97,31 @@ async def run_lines(
     on_all_submitted: Callable[[], None] | None = None,
     in_flight: set[int] | None = None,
     engine_body: Callable[[dict], dict] | None = None,
+    gate: Gate | None = None,
 ) -> None:
     """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
-    `engine_body`: what the engine is given for a line's body (None: the body as it is).
+    `engine_body`: what the engine is given for a line's body (None: the body as it is). `gate`: lines wait there
+    in order, before taking a place: one that waits with a place would keep it from a withdrawn line it waits for.
 
     An exception from the executor (the engine died) cancels the other workers and propagates; `in_flight` then
     holds the numbers of the lines that had been sent and have no outcome.
     """
     sent: set[int] = set() if in_flight is None else in_flight
-    exhausted = False
-    pulling = asyncio.Lock()  # one async generator: one puller at a time
-
-    async def next_line() -> Line | None:
-        nonlocal exhausted
-        async with pulling:
-            if exhausted:
-                return None
-            line = await anext(lines, None)
-            if line is None:
-                exhausted = True
-                if on_all_submitted is not None:
-                    on_all_submitted()
-            return line
+    source = _Source(lines, gate, on_all_submitted)
 
     async def worker() -> None:
         line: Line | None = None
         while True:
+            if gate is not None and line is None:
+                await gate.opened()
             async with slots.place() as place:
                 if line is None:
-                    line = await next_line()
-                    if line is None:
+                    pulled = await source.next()
+                    if pulled is None:
                         return
+                    if isinstance(pulled, _Held):
+                        continue  # its place given back: the gate is waited on without one
+                    line = pulled
                     sent.add(line[0])
                 number, request, rank = line
                 body = request["body"] if engine_body is None else engine_body(request["body"])
@@ -111,6 +130,8 @@ async def run_lines(
                     continue  # withdrawn: the same line again, at its next place
                 sent.discard(number)
                 on_outcome(number, http_outcome(request["custom_id"], *answer))
+                if gate is not None:
+                    gate.leave(number)
                 line = None
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, workers))]
@@ -120,6 +141,34 @@ async def run_lines(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class _Source:
+    """The lines in their order, to one puller at a time (one async generator); the gate may hold the next back."""
+
+    def __init__(
+        self, lines: AsyncIterator[Line], gate: Gate | None, on_all_submitted: Callable[[], None] | None
+    ) -> None:
+        self._lines = lines
+        self._gate = gate
+        self._on_all_submitted = on_all_submitted
+        self._exhausted = False
+        self._held: Line | None = None
+        self._pulling = asyncio.Lock()
+
+    async def next(self) -> Line | _Held | None:
+        async with self._pulling:
+            if self._exhausted:
+                return None
+            line, self._held = self._held or await anext(self._lines, None), None
+            if line is None:
+                self._exhausted = True
+                if self._on_all_submitted is not None:
+                    self._on_all_submitted()
+            elif self._gate is not None and not self._gate.admit(line[0]):
+                self._held = line
+                return HELD
+            return line
 
 
 async def _run_in(place: Place, request: Coroutine[Any, Any, tuple[int, Body]]) -> tuple[int, Body] | None:

@@ -15,9 +15,9 @@ from app.domain.input_index import InputIndex
 from app.domain.results import Outcome
 from app.domain.validation import Limits, numbered_lines, validate_file
 from app.engine.execution import FixedSlots, run_lines
-from app.engine.ordering import ordered_lines, pin_to_ranks, plan
+from app.engine.ordering import adapter_gate, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import ResultSink
-from app.engine.serving import EngineFactory, Serving, engine_wave
+from app.engine.serving import EngineFactory, Serving, engine_wave, max_loras
 
 DEFAULT_ENDPOINT = "/v1/chat/completions"
 MAX_REQUESTS = 10_000_000  # the offline runner has no OpenAI quota to mirror
@@ -109,6 +109,7 @@ async def _run(
             slots=FixedSlots(in_flight),
             workers=in_flight,
             on_outcome=record,
+            gate=adapter_gate(index, max_loras(serving)),
         )
     finally:
         ticker.cancel()

@@ -40,7 +40,7 @@ from app.engine.execution import FixedSlots, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
-from app.engine.ordering import Group, ordered_lines, pin_to_ranks, plan
+from app.engine.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import Checkpoint
 from app.engine.run import Run
 from app.engine.serving import EngineDead
@@ -237,6 +237,14 @@ class BatchRun:
             self.meter.mark("all_sent")
             turn.release()
 
+        gate = adapter_gate(self.index, ctx.max_loras)
+        if gate is not None:
+            log.info(
+                "batch %s: lines of %d LoRA adapters, fed %d adapters at a time",
+                self.row.id,
+                self.index.adapter_count,
+                ctx.max_loras,
+            )
         try:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
@@ -249,6 +257,7 @@ class BatchRun:
                 on_all_submitted=release,
                 in_flight=in_flight,
                 engine_body=self._engine_body,
+                gate=gate,
             )
         finally:
             release()

@@ -39,7 +39,7 @@ from app.engine.metrics import Metrics
 from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineFactory, Serving, engine_wave, schedules_by_priority
+from app.engine.serving import EngineFactory, Serving, engine_wave, max_loras, schedules_by_priority
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
@@ -254,6 +254,7 @@ class EngineService:
                 lora_dir(settings), base=self.served_models[0], engine_config=serving.engine_config
             ),
             announce=self.announce,
+            max_loras=max_loras(serving),
         )
         self._ctx = ctx
         logs.ensure_enabled()

@@ -87,6 +87,12 @@ def schedules_by_priority(serving: Serving) -> bool:
     return serving.engine_config.get("scheduling_policy", PRIORITY_POLICY) == PRIORITY_POLICY
 
 
+def max_loras(serving: Serving) -> int | None:
+    """LoRA adapters the engine runs at once (vLLM's `--max-loras`); None when it serves none."""
+    value = serving.engine_config.get("max_loras")
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 def engine_wave(serving: Serving) -> int:
     """Requests the engine runs at once: max_num_seqs on each data-parallel rank. The in-flight window is sized
     from it, so that extra ranks are fed as fully as the first."""

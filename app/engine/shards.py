@@ -1,20 +1,21 @@
 """A large batch that several workers share: cut into shards when it is validated, joined again when they end.
 
 A worker that validates a batch of more than `shard_lines` lines (beside other workers: `vbatch serve` never cuts)
-cuts its lines, in planned order and on shared-prefix group boundaries, into shards: hidden batches with their own
-input, index, leases, checkpoints and takeovers, claimed like any batch by whichever worker has room. They are
-created in the transaction that starts the parent. The parent's run waits under its own lease: it keeps its counts
-as the sum of its shards', passes a cancel on to them, and once every shard has ended joins their result files in
-shard order into its own and ends with them; the shards and their files go after that commit. A shard's end sends
-no webhook and lists nowhere: the parent's does.
+cuts its lines, in planned order and on adapter and shared-prefix group boundaries, into shards: hidden batches with
+their own input, index, leases, checkpoints and takeovers, claimed like any batch by whichever worker has room.
+They are created in the transaction that starts the parent. The parent's run waits under its own lease: it keeps
+its counts as the sum of its shards', passes a cancel on to them, and once every shard has ended joins their result
+files in shard order into its own and ends with them; the shards and their files go after that commit. A shard's
+end sends no webhook and lists nowhere: the parent's does.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import fields, replace
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from app.domain.results import index_name, input_name
 from app.domain.schemas import BatchError, BatchErrors
 from app.engine.context import Context
 from app.engine.ending import end_with_results, shards_ending
-from app.engine.ordering import plan
+from app.engine.ordering import Group, plan
 from app.engine.run import Run
 
 log = logging.getLogger("vbatch.runner")
@@ -37,19 +38,29 @@ log = logging.getLogger("vbatch.runner")
 
 def cut(index: InputIndex, shard_lines: int) -> list[list[int]]:
     """Positions in planned order, in shards of at least `shard_lines` (the last may be smaller); a shared-prefix
-    group stays whole, on one worker, where its prefix is cached."""
+    group stays whole, on one worker, where its prefix is cached, and so do an adapter's lines unless they are more
+    than a shard's: each worker then loads few adapters, and runs each one's lines together."""
     shards: list[list[int]] = [[]]
-    for group in plan(index):
-        # Lines that share no prefix may be cut anywhere; a shared-prefix group only before it.
-        for piece in [group.positions] if group.shared_prefix else _pieces(group.positions, shard_lines):
-            if len(shards[-1]) >= shard_lines:
-                shards.append([])
-            shards[-1].extend(piece)
+    for piece in _pieces(plan(index), shard_lines):
+        if len(shards[-1]) >= shard_lines:
+            shards.append([])
+        shards[-1].extend(piece)
     return shards
 
 
-def _pieces(positions: Sequence[int], size: int) -> list[Sequence[int]]:
-    return [positions[i : i + size] for i in range(0, len(positions), size)]
+def _pieces(groups: list[Group], shard_lines: int) -> Iterator[Sequence[int]]:
+    """The planned lines in pieces that no shard boundary cuts: an adapter's lines whole, if no more than a shard's;
+    else each shared-prefix group whole, and lines that share no prefix in pieces of a shard's size."""
+    for _, same_adapter in itertools.groupby(groups, key=lambda group: group.adapter):
+        adapter_groups = list(same_adapter)
+        if sum(len(group.positions) for group in adapter_groups) <= shard_lines:
+            yield [position for group in adapter_groups for position in group.positions]
+            continue
+        for group in adapter_groups:
+            if group.shared_prefix:
+                yield group.positions
+            else:
+                yield from (group.positions[i : i + shard_lines] for i in range(0, len(group.positions), shard_lines))
 
 
 async def make_shards(ctx: Context, run: Run, index: InputIndex, model: str | None) -> list[BatchRow]:
@@ -81,11 +92,7 @@ def _extract(source: Path, index: InputIndex, positions: list[int]) -> tuple[byt
             src.seek(index.offsets[position])
             line = src.read(index.lengths[position])
             lines.append(line + b"\n")
-            shard.numbers.append(index.numbers[position])
-            shard.offsets.append(offset)
-            shard.lengths.append(index.lengths[position])
-            shard.custom_ids.append(index.custom_ids[position])
-            shard.digests.append(index.digests[position])
+            shard.add_from(index, position, offset=offset)
             offset += len(line) + 1
     return b"".join(lines), shard
 

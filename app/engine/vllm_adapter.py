@@ -425,7 +425,7 @@ async def live_frontends(
 
 def _engine_config(config: typing.Any) -> dict[str, object]:
     scheduler, parallel, lora = config.scheduler_config, config.parallel_config, config.lora_config
-    return {
+    found: dict[str, object] = {
         "model": config.model_config.model,
         "max_model_len": config.model_config.max_model_len,
         "max_num_seqs": scheduler.max_num_seqs,
@@ -438,6 +438,9 @@ def _engine_config(config: typing.Any) -> dict[str, object]:
         "enable_lora": lora is not None,
         "max_lora_rank": lora.max_lora_rank if lora is not None else None,
     }
+    if lora is not None:  # an engine with LoRA on; without, the console shows no such setting
+        found["max_loras"] = lora.max_loras
+    return found
 
 
 @dataclass

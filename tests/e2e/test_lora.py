@@ -1,12 +1,14 @@
-"""LoRA adapters per line on the real engine (issue 30): `vbatch serve` with vLLM's own LoRA flags and two small
-adapters of SmolLM2 written by the test session; through the openai SDK a batch mixing the base model and both
-adapters is answered line by line by the model each line names, /v1/models lists the adapters with their base
-model, and an online request runs on an adapter. The same server finds adapters by name in `VBATCH_LORA_DIR`: one
-only there answers a batch and is listed after; a too wide one fails validation on its line."""
+"""LoRA adapters per line on the real engine (issue 30): `vbatch serve` with vLLM's own LoRA flags, `--max-loras 2`
+and four small adapters of SmolLM2 written by the test session; through the openai SDK a batch mixing the base
+model and two adapters is answered line by line by the model each line names, and so is one over all four in
+random order (fed two adapters at a time); /v1/models lists the adapters with their base model, and an online
+request runs on an adapter. The same server finds adapters by name in `VBATCH_LORA_DIR`: one only there answers a
+batch and is listed after; a too wide one fails validation on its line."""
 
 from __future__ import annotations
 
 import json
+import random
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +25,7 @@ STARTUP_SECONDS = 900
 RANK = 8
 # SmolLM2-135M: 30 layers of hidden size 576; 9 query heads and 3 key-value heads of 64.
 LAYERS, HIDDEN, V_OUT = 30, 576, 192
-ADAPTERS = ("a", "b")
+ADAPTERS = ("a", "b", "c", "d")  # more than --max-loras (2)
 FOUND = "found"  # only in VBATCH_LORA_DIR
 TOO_WIDE = "too-wide"  # in VBATCH_LORA_DIR, of a rank above --max-lora-rank
 
@@ -99,6 +101,25 @@ def test_a_batch_mixing_the_base_model_and_two_adapters_answers_each_line_with_t
     assert {custom_id: response["body"]["model"] for custom_id, response in answered.items()} == {
         f"r{i}": model for i, model in enumerate(models)
     }
+
+
+def test_a_batch_over_more_adapters_than_max_loras_answers_each_line_with_the_adapter_it_names(client, lora_server):
+    models = [*ADAPTERS * 3, MODEL, MODEL]
+    random.Random(30).shuffle(models)
+    lines = [chat_line(f"r{i}", f"Name a fruit ({i}).", max_tokens=4) for i in range(len(models))]
+    for line, model in zip(lines, models, strict=True):
+        line["body"]["model"] = model
+    batch = wait_terminal(client, submit(client, lines).id)
+    assert batch.status == "completed", batch.errors
+    assert batch.request_counts is not None and batch.request_counts.completed == len(models)
+    answered = {row["custom_id"]: row["response"] for row in lines_of(client, batch.output_file_id)}
+    assert {
+        custom_id: (response["status_code"], response["body"]["model"]) for custom_id, response in answered.items()
+    } == {f"r{i}": (200, model) for i, model in enumerate(models)}
+    # The engine said how many adapters it runs at once, and the feed kept to it.
+    assert (
+        f"batch {batch.id}: lines of 4 LoRA adapters, fed 2 adapters at a time" in lora_server[0].log_path.read_text()
+    )
 
 
 def test_models_lists_the_adapters_with_the_base_model_as_parent(client, lora_server):
