@@ -39,10 +39,10 @@ from app.console.headers import with_console_headers
 from app.console.sessions import Session
 from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
-from app.domain import batches, files
+from app.domain import batches, files, retry
 from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
-from app.domain.lifecycle import ACTIVE, BatchStatus
+from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
 from app.domain.validation import Limits, validate_file
@@ -192,7 +192,9 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
+    ended = row.status in TERMINAL
     return {
+        "retryable": await retry.retryable_lines(db=db, storage=storage, row=row) if ended else 0,
         "batch": batch,
         "progress": progress,
         "row": present.batch_row(batch, stats),
@@ -231,6 +233,22 @@ def cancel_batch(batch_id: str, session: ChangeDep, db: DbDep, engine: EngineDep
     batches.request_cancel(db=db, batch_id=batch_id, owner=session.owner)
     engine.wake()
     return RedirectResponse(f"/console/batches/{batch_id}", status_code=303)
+
+
+@pages.post("/batches/{batch_id}/retry")
+async def retry_batch(
+    batch_id: str, session: ChangeDep, db: DbDep, storage: StorageDep, settings: SettingsDep, engine: EngineDep
+) -> Response:
+    answer = await retry.retry(
+        db=db,
+        storage=storage,
+        batch_id=batch_id,
+        owner=session.owner,
+        windows=settings.allowed_windows,
+        max_active=settings.max_active_batches_per_key,
+    )
+    engine.wake()
+    return RedirectResponse(f"/console/batches/{answer.batch.id}", status_code=303)
 
 
 @pages.get("/batches/{batch_id}/partial")
