@@ -129,6 +129,8 @@ def merge(argv: list[str]) -> None:
     parser.add_argument("-o", "--output", required=True, help="Where the merged lines go.")
     parser.add_argument("--data-dir", default=None, help="The service's data directory (for a batch id).")
     args = parser.parse_args(argv)
+    if args.input is None and len(args.sources) != 1:
+        parser.error("give one batch id, or --input and the result files")
     try:
         report = _merge_into(Path(args.output), args)
     except (DomainError, MergeRefused, OSError) as exc:
@@ -144,8 +146,6 @@ def _merge_into(output: Path, args: argparse.Namespace) -> MergeReport:
 
     if args.input is not None:
         source, results = Path(args.input), [Path(each) for each in args.sources]
-    elif len(args.sources) != 1:
-        raise OSError("give one batch id, or --input and the result files")
     else:
         source, results = _chain_paths(
             args.sources[0], Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))

@@ -42,7 +42,7 @@ from app.core.gpu import gpu_usage
 from app.domain import batches, files, retry
 from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
-from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus
+from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
 from app.domain.validation import Limits, validate_file
@@ -192,9 +192,8 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
-    ended = row.status in TERMINAL
     return {
-        "retryable": await retry.retryable_lines(db=db, storage=storage, row=row) if ended else 0,
+        "retryable": await retry.retryable_lines(db=db, storage=storage, row=row),
         "batch": batch,
         "progress": progress,
         "row": present.batch_row(batch, stats),
