@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 
 from app import cli
 from app.core.config import Settings
+from app.domain.results import ResultHead, error_outcome, line_for, result_head
+from app.domain.retry import failure_of
 from tests.helpers import FINAL, app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 CSRF = re.compile(r'<meta name="csrf-token" content="([^"]*)">')
@@ -229,3 +231,37 @@ def test_the_consoles_retry_needs_its_token_and_shows_only_where_lines_can_run_a
     assert new["metadata"] == {"retry_of": cancelled["id"]}
     again = client.get(f"/console/batches/{new_id}").text
     assert 'id="retry"' not in again and f'href="/console/batches/{cancelled["id"]}"' in again
+
+
+def _error_line(status: int | None, code: str = "x") -> dict:
+    if status is None:
+        return {"id": "batch_req_1", "custom_id": "c", "response": None, "error": {"code": code, "message": "m"}}
+    body = {"error": {"message": "m", "type": "T", "param": None, "code": status}}
+    return {"id": "batch_req_1", "custom_id": "c", "response": {"status_code": status, "body": body}, "error": None}
+
+
+@pytest.mark.parametrize(
+    ("line", "retryable"),
+    [
+        (_error_line(None, "batch_expired"), True),
+        (_error_line(None, "batch_cancelled"), True),
+        (_error_line(None, "engine_crashed"), True),
+        (_error_line(500), True),
+        (_error_line(503), True),
+        (_error_line(429), True),
+        (_error_line(400), False),
+        (_error_line(404), False),
+        (_error_line(413), False),
+    ],
+)
+def test_which_failures_a_second_try_may_change(line, retryable):
+    assert failure_of(line).retryable is retryable
+
+
+def test_a_result_line_is_read_in_any_layout_and_one_that_is_not_is_refused():
+    written = line_for(error_outcome("c\u00e9", "batch_expired", "late"))
+    assert result_head(written.rstrip(b"\n")) == ResultHead("c\u00e9", None)
+    reordered = {"response": {"body": {}, "status_code": 200}, "custom_id": "d", "id": "x", "error": None}
+    assert result_head(json.dumps(reordered, indent=1).encode()).succeeded
+    with pytest.raises(ValueError):
+        result_head(b'{"custom_id": 3}')
