@@ -7,6 +7,7 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core import logs
 from app.core.config import Settings
@@ -20,9 +21,12 @@ from app.launch import (
     settings_from,
 )
 
+if TYPE_CHECKING:
+    from app.domain.merge import MergeReport
+
 log = logging.getLogger("vbatch")
 
-USAGE = """usage: vbatch {serve,api,worker,cluster,run} [options] [vLLM engine args]
+USAGE = """usage: vbatch {serve,api,worker,cluster,run,merge} [options] [vLLM engine args]
 
   vbatch serve [--host 127.0.0.1] [--port 8000] [--data-dir DIR] [vLLM engine args]
   vbatch api [--host 127.0.0.1] [--port 8000] [--data-dir DIR]
@@ -31,6 +35,8 @@ USAGE = """usage: vbatch {serve,api,worker,cluster,run} [options] [vLLM engine a
   vbatch cluster [--ray-address ADDR] [--data-dir DIR] --pool NAME [--replicas N] [vLLM engine args] --pool NAME2 ...
   vbatch cluster scale N [--pool NAME] [--ray-address ADDR]
   vbatch run -i in.jsonl -o out.jsonl [--error-file err.jsonl] [vLLM engine args]
+  vbatch merge BATCH_ID -o merged.jsonl [--data-dir DIR]
+  vbatch merge --input in.jsonl -o merged.jsonl RESULT_FILE...
 
 Engine args are exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).
 With no --model, vbatch serves SmolLM2-135M-Instruct, prepared once in the data directory.
@@ -104,6 +110,77 @@ def run(argv: list[str]) -> None:
     sys.exit(code)
 
 
+def merge(argv: list[str]) -> None:
+    """`vbatch merge`: a batch's results and its retries' in one file, every custom_id once, in the input's order."""
+    from app.core.errors import DomainError
+    from app.domain.merge import MergeRefused
+
+    parser = argparse.ArgumentParser(
+        prog="vbatch merge",
+        description="Join the results of a batch and its retries (POST /v1/batches/{id}/retry) into one JSONL: "
+        "every custom_id of the input once, in its order; the latest success, else the latest error.",
+    )
+    parser.add_argument(
+        "sources",
+        nargs="+",
+        help="A batch id (any batch of the chain), or with --input the "
+        "output and error files of the batches, oldest batch first.",
+    )
+    parser.add_argument("--input", default=None, help="The first batch's input file (the sources are then files).")
+    parser.add_argument("-o", "--output", required=True, help="Where the merged lines go.")
+    parser.add_argument("--data-dir", default=None, help="The service's data directory (for a batch id).")
+    args = parser.parse_args(argv)
+    if args.input is None and len(args.sources) != 1:
+        parser.error("give one batch id, or --input and the result files")
+    try:
+        report = _merge_into(Path(args.output), args)
+    except (DomainError, MergeRefused, OSError) as exc:
+        print(f"vbatch merge: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        sys.exit(2)
+    missing = f", {len(report.no_result)} with no result (error code no_result)" if report.no_result else ""
+    print(f"{report.lines} lines: {report.succeeded} succeeded, {report.failed} failed{missing}", file=sys.stderr)
+
+
+def _merge_into(output: Path, args: argparse.Namespace) -> MergeReport:
+    """The merged file is written beside `output` and renamed over it whole: a refusal leaves nothing."""
+    from app.domain.merge import merge
+
+    if args.input is not None:
+        source, results = Path(args.input), [Path(each) for each in args.sources]
+    else:
+        source, results = _chain_paths(
+            args.sources[0], Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
+        )
+    partial = output.with_name(f".{output.name}.partial")
+    try:
+        with partial.open("wb") as out:
+            report = merge(source, results, out)
+        partial.replace(output)
+    finally:
+        partial.unlink(missing_ok=True)
+    return report
+
+
+def _chain_paths(batch_id: str, settings: Settings) -> tuple[Path, list[Path]]:
+    """The retry chain's files in the service's database and store (an object store's downloaded first)."""
+    import asyncio
+
+    from app.core.db import make_engine
+    from app.core.stores import open_storage
+    from app.domain.merge import chain_files
+
+    if settings.database_url is None and not settings.database_path.exists():
+        raise OSError(f"there is no vbatch database in {settings.data_dir} (--data-dir, or VBATCH_DATABASE_URL)")
+    found = chain_files(db=make_engine(settings.database), batch_id=batch_id)
+    storage = open_storage(settings.storage_url, settings.files_dir)
+
+    async def local() -> list[Path]:
+        return [await storage.local_path(each) for each in [found.input_file_id, *found.result_file_ids]]
+
+    paths = asyncio.run(local())
+    return paths[0], paths[1:]
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     logs.configure(Settings().log_format)
@@ -113,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
         "api": api,
         "run": run,
         "cluster": cluster,
+        "merge": merge,
     }
     if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr)

@@ -124,6 +124,8 @@ class FakeExecutor:
             await asyncio.Event().wait()
         if body.get("max_tokens", 1) < 0:
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
+        if body.get("server_error") is True:  # what vLLM answers when its handler raises
+            return 500, _error_body("the handler failed", "InternalServerError", None, code=500)
         if self.seconds_per_answer:
             await asyncio.sleep(self.seconds_per_answer)
         self.generated += 1
@@ -144,8 +146,8 @@ class FakeExecutor:
         }
 
 
-def _error_body(message: str, kind: str, param: str | None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": 400}}
+def _error_body(message: str, kind: str, param: str | None, code: int = 400) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 _STREAMED = ("/v1/chat/completions", "/v1/completions")

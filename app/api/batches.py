@@ -6,9 +6,17 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import DbDep, EngineDep, OwnerDep, SettingsDep, StorageDep
-from app.domain import batches
+from app.domain import batches, retry
 from app.domain.partial_output import Kind, open_partial
-from app.domain.schemas import Batch, BatchList, BatchProgress, CreateBatchRequest, ErrorResponse
+from app.domain.schemas import (
+    Batch,
+    BatchList,
+    BatchProgress,
+    BatchRetry,
+    CreateBatchRequest,
+    ErrorResponse,
+    RetryBatchRequest,
+)
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -88,3 +96,38 @@ async def partial_output(
 ) -> StreamingResponse:
     chunks, size = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=owner)
     return StreamingResponse(chunks, media_type="application/octet-stream", headers={"Content-Length": str(size)})
+
+
+@router.post(
+    "/{batch_id}/retry",
+    response_model=BatchRetry,
+    summary="Retry what failed (vbatch extension)",
+    description=(
+        "Creates a batch of exactly the lines of this ended batch that did not succeed and may on a second try: "
+        "those cancelled, expired or never run, and those answered with a 5xx or 429. Lines answered with another "
+        "4xx would fail the same way: they are left out, the first listed in `not_retried`. The new batch has the "
+        "same endpoint, completion window and metadata, plus `metadata.retry_of` (the body's `metadata`, if sent, "
+        "replaces the copied one). Every call creates a new batch. Not part of OpenAI's API."
+    ),
+    responses={404: {"model": ErrorResponse}, 409: {"model": ErrorResponse}, 429: {"model": ErrorResponse}},
+)
+async def retry_batch(
+    batch_id: str,
+    db: DbDep,
+    storage: StorageDep,
+    settings: SettingsDep,
+    engine: EngineDep,
+    owner: OwnerDep,
+    body: RetryBatchRequest | None = None,
+) -> BatchRetry:
+    answer = await retry.retry(
+        db=db,
+        storage=storage,
+        batch_id=batch_id,
+        owner=owner,
+        windows=settings.allowed_windows,
+        max_active=settings.max_active_batches_per_key,
+        metadata=body.metadata if body is not None else None,
+    )
+    engine.wake()
+    return answer

@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
 from app.core.errors import DomainError, Unauthenticated
-from app.domain.errors import InvalidRequest, ModelNotServed, NotFound, TooManyActive
+from app.domain.errors import Conflict, InvalidRequest, ModelNotServed, NotFound, TooManyActive
 from app.domain.online import EngineUnavailable, error_event
 from app.domain.ratelimits import RateLimited
 
@@ -65,6 +65,8 @@ def from_domain(exc: DomainError) -> APIError:
         # OpenAI's SDKs retry a 429 at once unless told that waiting is what helps.
         headers = {"retry-after": str(exc.retry_after_seconds), "x-should-retry": "false"}
         return APIError(429, exc.message, param=exc.param, code=exc.code, headers=headers)
+    if isinstance(exc, Conflict):
+        return APIError(409, exc.message, param=exc.param, code=exc.code)
     if isinstance(exc, InvalidRequest):
         return bad_request(exc.message, param=exc.param, code=exc.code)
     return APIError(500, exc.message, type="server_error", param=exc.param, code=exc.code)

@@ -40,7 +40,7 @@ from app.console.sessions import Session
 from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
 from app.core.lora_dir import lora_dir
-from app.domain import batches, files
+from app.domain import batches, files, retry
 from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
 from app.domain.lifecycle import ACTIVE, BatchStatus
@@ -195,6 +195,7 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
     return {
+        "retryable": await retry.retryable_lines(db=db, storage=storage, row=row),
         "batch": batch,
         "progress": progress,
         "row": present.batch_row(batch, stats),
@@ -235,6 +236,22 @@ def cancel_batch(batch_id: str, session: ChangeDep, db: DbDep, engine: EngineDep
     batches.request_cancel(db=db, batch_id=batch_id, owner=session.owner)
     engine.wake()
     return RedirectResponse(f"/console/batches/{batch_id}", status_code=303)
+
+
+@pages.post("/batches/{batch_id}/retry")
+async def retry_batch(
+    batch_id: str, session: ChangeDep, db: DbDep, storage: StorageDep, settings: SettingsDep, engine: EngineDep
+) -> Response:
+    answer = await retry.retry(
+        db=db,
+        storage=storage,
+        batch_id=batch_id,
+        owner=session.owner,
+        windows=settings.allowed_windows,
+        max_active=settings.max_active_batches_per_key,
+    )
+    engine.wake()
+    return RedirectResponse(f"/console/batches/{answer.batch.id}", status_code=303)
 
 
 @pages.get("/batches/{batch_id}/partial")

@@ -22,6 +22,20 @@ class NotCancellable(InvalidRequest):
         )
 
 
+class Conflict(DomainError):
+    """The object is not in a state that allows this (OpenAI's 409); it may be once the object has moved on."""
+
+
+class NotEnded(Conflict):
+    def __init__(self, batch_id: str, status: str) -> None:
+        super().__init__(
+            f"Batch {batch_id} is {status}: only an ended batch (completed, failed, expired or cancelled) can be "
+            "retried. Cancel it, or wait for it to end.",
+            param="batch_id",
+            code="batch_not_ended",
+        )
+
+
 class TooManyActive(DomainError):
     """A quota that frees itself only as the caller's own batches end: a prompt retry cannot help."""
 

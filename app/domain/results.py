@@ -127,6 +127,57 @@ def line_for(outcome: Outcome) -> bytes:
     )
 
 
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True)
+class ResultHead:
+    """What a result line says before its body: whose it is and, if the handler answered, with what status."""
+
+    custom_id: str
+    status_code: int | None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+def result_head(line: bytes) -> ResultHead:
+    """The head of an output or error file's line. Lines `line_for` wrote are read up to the status code only: an
+    embedding's body of thousands of floats is not parsed; a line laid out otherwise is parsed whole (ValueError if
+    it is not a result line)."""
+    text = line.decode()
+    try:
+        return _head_as_written(text)
+    except (ValueError, LookupError):
+        record = json.loads(text)
+        response = record.get("response") if isinstance(record, dict) else None
+        status = response.get("status_code") if isinstance(response, dict) else None
+        custom_id = record.get("custom_id") if isinstance(record, dict) else None
+        if not isinstance(custom_id, str) or not isinstance(status, int | None):
+            raise ValueError("not a batch result line") from None
+        return ResultHead(custom_id, status)
+
+
+def _head_as_written(text: str) -> ResultHead:
+    """`{"id":...,"custom_id":...,"response":null` or `...,"response":{"status_code":N`, as `line_for` writes."""
+    if not text.startswith('{"id":'):
+        raise ValueError("another layout")
+    _, at = _DECODER.raw_decode(text, len('{"id":'))
+    if not text.startswith(',"custom_id":', at):
+        raise ValueError("another layout")
+    custom_id, at = _DECODER.raw_decode(text, at + len(',"custom_id":'))
+    if text.startswith(',"response":null', at):
+        status = None
+    elif text.startswith(',"response":{"status_code":', at):
+        status, _ = _DECODER.raw_decode(text, at + len(',"response":{"status_code":'))
+    else:
+        raise ValueError("another layout")
+    if not isinstance(custom_id, str) or not isinstance(status, int | None) or isinstance(status, bool):
+        raise ValueError("another layout")
+    return ResultHead(custom_id, status)
+
+
 def _compact(value: object) -> bytes:
     text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:

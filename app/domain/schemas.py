@@ -135,6 +135,33 @@ class BatchList(BaseModel):
     has_more: bool
 
 
+class NotRetriedLine(BaseModel):
+    """A line a retry left out: it failed with an error a second try would repeat (a 4xx other than 429)."""
+
+    custom_id: str
+    line: int = Field(description="Its 1-based line number in the retried batch's input file.")
+    status_code: int
+    reason: str = Field(description="The error's type and message, as its error-file line gives them.")
+
+
+class RetryBatchRequest(BaseModel):
+    """The optional body of `POST /v1/batches/{id}/retry`."""
+
+    metadata: dict[str, str] | None = Field(
+        default=None, description="Replaces the retried batch's metadata in the new batch (`retry_of` is added)."
+    )
+
+
+class BatchRetry(BaseModel):
+    """`POST /v1/batches/{id}/retry` (a vbatch extension): the new batch, and the lines it leaves out."""
+
+    object: Literal["batch.retry"] = "batch.retry"
+    batch: Batch
+    retried: int = Field(description="Lines in the new batch's input file.")
+    not_retried_count: int = Field(description="Lines that failed and were left out; `not_retried` lists the first.")
+    not_retried: list[NotRetriedLine]
+
+
 class ExpiresAfter(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -15,7 +15,7 @@ from playwright.sync_api import Browser, Page, expect
 
 from app.testing import VbatchServer, free_port
 from tests.browser_harness import DESKTOP, PHONE, browser, screenshot  # noqa: F401 - browser is a fixture
-from tests.helpers import holding, jsonl, request_line
+from tests.helpers import holding, jsonl, request_line, wait_for
 
 KEY_A, KEY_B = "sk-browser-a-0123456789", "sk-browser-b-9876543210"
 WAIT_MS = 30_000
@@ -142,6 +142,33 @@ def test_cancel_from_the_page_after_confirming(open_server, page):
     with api(open_server) as client:
         batch = client.get(f"/v1/batches/{batch_id}").json()
     assert batch["status"] == "cancelled" and batch["request_counts"]["total"] == 6
+
+
+def test_retry_from_the_page_of_a_cancelled_batch_runs_its_unrun_lines(open_server, page):
+    with holding(open_server.data_dir), api(open_server) as client:  # two lines run, then the batch waits
+        batch_id = api_batch(open_server, [request_line(f"t{i}") for i in range(6)])
+        wait_for(lambda: client.get(f"/v1/batches/{batch_id}").json()["request_counts"]["completed"] == 2, 60)
+        client.post(f"/v1/batches/{batch_id}/cancel")
+        wait_for(lambda: client.get(f"/v1/batches/{batch_id}").json()["status"] == "cancelled", 60)
+    page.goto(f"{open_server.base_url}/console/batches/{batch_id}")
+    page.on("dialog", lambda dialog: dialog.accept())
+    page.get_by_role("button", name="Retry 4 lines").click()
+    page.wait_for_url(re.compile(r".*/console/batches/batch_[^/]+$"))
+    retry_id = page.url.rsplit("/", 1)[-1]
+    assert retry_id != batch_id
+    expect(page.locator("#batch-status")).to_have_text("completed", timeout=WAIT_MS)
+    expect(page.locator("#batch-counts")).to_contain_text("4 of 4 done")
+    expect(page.locator("#retry-of")).to_have_text(batch_id)
+    expect(page.locator("#retry")).to_have_count(0)  # every line of the retry succeeded
+    with api(open_server) as client:
+        retried = client.get(f"/v1/batches/{retry_id}").json()
+        original = client.get(f"/v1/batches/{batch_id}").json()
+        unrun = client.get(f"/v1/files/{original['error_file_id']}/content").text.splitlines()
+        done = client.get(f"/v1/files/{retried['output_file_id']}/content").text.splitlines()
+    assert retried["metadata"] == {"retry_of": batch_id}
+    assert sorted(json.loads(line)["custom_id"] for line in done) == sorted(
+        json.loads(line)["custom_id"] for line in unrun
+    )
 
 
 def test_the_batches_page_shows_new_batches_live_and_filters_by_status(open_server, page, tmp_path):
