@@ -502,6 +502,33 @@ class LocalS3:
         self.log.close()
 
 
+def write_lora_adapter(folder: Path, base_model: Path, *, seed: int, rank: int, base_name: str | None = None) -> Path:
+    """A PEFT LoRA adapter of `rank` on every layer's q_proj and v_proj, shaped from the base model's config.json,
+    with small random weights: what vLLM loads by `--lora-modules` or at first use (answers need not make sense,
+    only come from the adapter, and its speed does not depend on the weights). Shared by the LoRA tests and
+    `bench/lora.py`."""
+    import numpy
+    from safetensors.numpy import save_file
+
+    shape = json.loads((base_model / "config.json").read_text())
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+    head = shape.get("head_dim") or hidden // shape["num_attention_heads"]
+    outs = {"q_proj": shape["num_attention_heads"] * head, "v_proj": shape.get("num_key_value_heads", 1) * head}
+    folder.mkdir(parents=True)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": list(outs), "bias": "none",
+              "base_model_name_or_path": base_name or str(base_model), "task_type": "CAUSAL_LM"}  # fmt: skip
+    (folder / "adapter_config.json").write_text(json.dumps(config))
+    random = numpy.random.default_rng(seed)
+    tensors = {}
+    for layer in range(layers):
+        for name, out in outs.items():
+            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
+            tensors[f"{prefix}.lora_A.weight"] = (random.standard_normal((rank, hidden)) * 0.01).astype(numpy.float32)
+            tensors[f"{prefix}.lora_B.weight"] = (random.standard_normal((out, rank)) * 0.01).astype(numpy.float32)
+    save_file(tensors, str(folder / "adapter_model.safetensors"))
+    return folder
+
+
 def free_port() -> int:
     import socket
 

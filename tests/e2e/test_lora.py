@@ -7,7 +7,6 @@ batch and is listed after; a too wide one fails validation on its line."""
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from collections.abc import Iterator
@@ -17,45 +16,19 @@ import pytest
 from openai import OpenAI
 
 from app.engine.vllm_adapter import is_cpu_build
-from app.testing import VbatchServer, free_port
+from app.testing import VbatchServer, free_port, write_lora_adapter
 from tests.e2e.conftest import MODEL, engine_flags
 from tests.e2e.helpers import chat_line, lines_of, submit, wait_terminal
 
 STARTUP_SECONDS = 900
 RANK = 8
-# SmolLM2-135M: 30 layers of hidden size 576; 9 query heads and 3 key-value heads of 64.
-LAYERS, HIDDEN, V_OUT = 30, 576, 192
 ADAPTERS = ("a", "b", "c", "d")  # more than --max-loras (2)
 FOUND = "found"  # only in VBATCH_LORA_DIR
 TOO_WIDE = "too-wide"  # in VBATCH_LORA_DIR, of a rank above --max-lora-rank
 
 
 def write_adapter(folder: Path, base_model: Path, seed: int, rank: int = RANK) -> Path:
-    """A PEFT LoRA adapter of `rank` on q_proj and v_proj with random weights: what vLLM loads for
-    `--lora-modules` (its answers need not make sense, only come from the adapter)."""
-    import torch
-    from safetensors.torch import save_file
-
-    folder.mkdir(parents=True)
-    config = {
-        "peft_type": "LORA",
-        "r": rank,
-        "lora_alpha": 16,
-        "target_modules": ["q_proj", "v_proj"],
-        "base_model_name_or_path": str(base_model),
-        "bias": "none",
-        "task_type": "CAUSAL_LM",
-    }
-    (folder / "adapter_config.json").write_text(json.dumps(config))
-    generator = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for layer in range(LAYERS):
-        for name, out in (("q_proj", HIDDEN), ("v_proj", V_OUT)):
-            prefix = f"base_model.model.model.layers.{layer}.self_attn.{name}"
-            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, HIDDEN, generator=generator) * 0.01
-            tensors[f"{prefix}.lora_B.weight"] = torch.randn(out, rank, generator=generator) * 0.01
-    save_file({key: value.to(torch.bfloat16) for key, value in tensors.items()}, folder / "adapter_model.safetensors")
-    return folder
+    return write_lora_adapter(folder, base_model, seed=seed, rank=rank)
 
 
 @pytest.fixture(scope="module")
