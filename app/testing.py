@@ -128,9 +128,11 @@ class FakeExecutor:
             return 500, _error_body("the handler failed", "InternalServerError", None, code=500)
         if self.seconds_per_answer:
             await asyncio.sleep(self.seconds_per_answer)
-        self.generated += 1
         if self.before_answer is not None:
             await asyncio.to_thread(self.before_answer, body)
+        if endpoint in SCORING_ENDPOINTS:
+            return 200, _scores(endpoint, body)
+        self.generated += 1
         return 200, {
             "id": f"chatcmpl-{zlib.crc32(json.dumps(body, sort_keys=True).encode())}",  # the same in any process
             "object": "chat.completion",
@@ -144,6 +146,30 @@ class FakeExecutor:
                 "prompt_tokens_details": {"cached_tokens": 2},
             },
         }
+
+
+# What the fake answers as a chat model does (it answers each with a chat completion), and as a scoring model.
+GENERATIVE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+SCORING_ENDPOINTS = ("/v1/score", "/v1/rerank")
+FAKE_PAIR_TOKENS = 5  # the prompt tokens of each (query, document) pair a fake score counts
+
+
+def _scores(endpoint: str, body: dict) -> dict:
+    """vLLM's score or rerank answer: a score for each document (`text_2`, `documents`, ...) against the query, from
+    its text, so the same pair always scores the same; usage counts prompt tokens only, as vLLM's does."""
+    documents: object = next((body[key] for key in ("text_2", "documents", "items", "data_2") if key in body), [])
+    documents = documents if isinstance(documents, list) else [documents]
+    scores = [zlib.crc32(json.dumps(document).encode()) / 2**32 for document in documents]
+    tokens = FAKE_PAIR_TOKENS * len(documents)
+    usage = {"prompt_tokens": tokens, "total_tokens": tokens}
+    request_id = zlib.crc32(json.dumps(body, sort_keys=True).encode())
+    head = {"id": f"score-{request_id}", "model": body.get("model", FAKE_MODEL)}
+    if endpoint == "/v1/score":
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(scores)]
+        return {**head, "object": "list", "created": 0, "data": data, "usage": usage | {"completion_tokens": 0}}
+    ranked = sorted(range(len(documents)), key=lambda i: -scores[i])[: body.get("top_n") or None]
+    results = [{"index": i, "document": {"text": documents[i]}, "relevance_score": scores[i]} for i in ranked]
+    return {**head, "usage": usage, "results": results}
 
 
 def _error_body(message: str, kind: str, param: str | None, code: int = 400) -> dict:
@@ -200,8 +226,10 @@ class FakeServing:
         model: str = FAKE_MODEL,
         max_lora_rank: int | None = None,
         max_loras: int | None = None,
+        endpoints: Sequence[str] = GENERATIVE_ENDPOINTS,
     ) -> None:
         self.executor = executor
+        self.endpoints = tuple(endpoints)
         self.adapters = [Adapter(name=name, parent=model, root=f"/adapters/{name}") for name in adapters]
         self.served_models = [model, *adapters]
         self.engine_config: dict[str, object] = {
@@ -230,12 +258,21 @@ class FakeServing:
         )
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+        if endpoint not in self.endpoints:
+            return self._cannot_answer(endpoint)
         return await self.executor.execute(endpoint, body, rank)
+
+    def _cannot_answer(self, endpoint: str) -> tuple[int, dict]:
+        """As the real serving layer answers an endpoint its model has no handler for (`vllm_adapter.ServingLayer`)."""
+        message = f"The served model cannot answer {endpoint}; this engine answers {', '.join(self.endpoints)}."
+        return 400, _error_body(message, "BadRequestError", None)
 
     def preemptions(self) -> int | None:
         return self.executor.preemptions
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
+        if endpoint not in self.endpoints:
+            return self._cannot_answer(endpoint)
         return await self.executor.respond(endpoint, body)
 
 
@@ -243,7 +280,8 @@ class FakeEngine:
     """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
     test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
     `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent);
-    `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say)."""
+    `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say); `endpoints`: what
+    its model answers (a scoring model's: `SCORING_ENDPOINTS`), others get the real serving layer's 400."""
 
     def __init__(
         self,
@@ -254,8 +292,10 @@ class FakeEngine:
         model: str = FAKE_MODEL,
         max_lora_rank: int | None = None,
         max_loras: int | None = None,
+        endpoints: Sequence[str] = GENERATIVE_ENDPOINTS,
     ) -> None:
         self.executor = FakeExecutor()
+        self.endpoints = tuple(endpoints)
         self.model = model
         self.adapters = list(adapters)
         self.max_lora_rank = max_lora_rank
@@ -278,6 +318,7 @@ class FakeEngine:
             model=self.model,
             max_lora_rank=self.max_lora_rank,
             max_loras=self.max_loras,
+            endpoints=self.endpoints,
         )
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving

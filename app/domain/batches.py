@@ -37,7 +37,19 @@ from app.domain.schemas import (
     RunStats,
 )
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# What `vllm run-batch` accepts (vllm/entrypoints/launchers/run_batch.py, `build_endpoint_registry`, vLLM 0.32: chat,
+# embeddings, score, rerank and audio) that vbatch can run, under OpenAI's /v1 prefix, plus the completions and
+# responses endpoints `vllm serve` has. Score and rerank need a model that scores (a cross-encoder, num_labels 1, or
+# an embedding model); any other engine answers such a line with an error of its own. Audio is left out: its lines
+# fetch a `file_url` from the engine's host.
+ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/responses",
+    "/v1/score",
+    "/v1/rerank",
+)
 
 MAX_METADATA_PAIRS = 16
 MAX_METADATA_KEY = 64

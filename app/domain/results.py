@@ -189,7 +189,8 @@ def _compact(value: object) -> bytes:
 
 
 def add_usage(progress: Progress, usage: dict) -> None:
-    """Chat and completions report prompt/completion tokens; responses input/output; embeddings prompt only."""
+    """Chat and completions report prompt/completion tokens; responses input/output; embeddings, score and rerank
+    prompt only."""
     prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
     completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
     prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}

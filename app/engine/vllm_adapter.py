@@ -152,7 +152,15 @@ class ServingLayer:
             handlers["/v1/responses"] = Handler(_request_type(method), method)
         embedding = getattr(state, "serving_embedding", None)
         if embedding is not None:
-            handlers["/v1/embeddings"] = Handler(_embedding_request_type(embedding), embedding)
+            handlers["/v1/embeddings"] = Handler(_run_batch_request_type("EmbeddingRequest"), embedding)
+        scores = getattr(state, "serving_scores", None)  # a cross-encoder, or an embedding model (cosine)
+        if scores is not None and hasattr(_run_batch_module(), "ScoreRequest"):  # a batch runner that scores
+            # Under every route `vllm serve` gives them, as `vllm run-batch` takes any url ending so: `vbatch run`
+            # reads its files unchanged; a service batch uses the /v1 ones (`app.domain.batches.ENDPOINTS`).
+            for route in ("/v1/score", "/score"):
+                handlers[route] = Handler(_run_batch_request_type("ScoreRequest"), scores)
+            for route in ("/v1/rerank", "/rerank", "/v2/rerank"):
+                handlers[route] = Handler(_run_batch_request_type("RerankRequest"), scores)
         return handlers
 
     @property
@@ -203,7 +211,10 @@ class ServingLayer:
         """What the endpoint's handler returned, or (status, vLLM's error envelope) for a body it refused."""
         handler = self._handlers.get(endpoint)
         if handler is None:
-            return self._error(NotImplementedError(f"The model does not support {endpoint}."))
+            # A 400, as `vllm run-batch` answers it: the line is wrong for this engine, and no retry can help.
+            answered = ", ".join(self._handlers)
+            message = f"The served model cannot answer {endpoint}; this engine answers {answered}."
+            return self._error(ValueError(message))
         try:
             request = handler.request_type.model_validate(body)
         except ValueError as exc:
@@ -314,20 +325,20 @@ async def _responses_events(events: AsyncGenerator[Any, None]) -> AsyncIterator[
         await events.aclose()
 
 
-def _embedding_request_type(serving: Any) -> type:
-    module = _first_module("vllm.entrypoints.pooling.embed.protocol", "vllm.entrypoints.openai.protocol")
-    request_type = module.EmbeddingRequest
-    # EmbeddingRequest is a Union (completion-style | chat-style) in recent releases.
+def _run_batch_request_type(name: str) -> Any:
+    """The request model `vllm run-batch` validates a line's body with, by its name there (its module paths move
+    between releases; the batch runner imports each). Some are Unions (EmbeddingRequest: completion-style or
+    chat-style; ScoreRequest: its four spellings of the pairs), which only a TypeAdapter validates."""
     from pydantic import TypeAdapter
 
-    adapter = TypeAdapter(request_type)
+    adapter = TypeAdapter(getattr(_run_batch_module(), name))
 
     class _Adapter:
         @staticmethod
         def model_validate(body: dict) -> Any:
             return adapter.validate_python(body)
 
-    return _Adapter  # type: ignore[return-value]
+    return _Adapter
 
 
 def engine_factory(args: argparse.Namespace, lora_dir: LoraDir | None = None) -> EngineFactory:
