@@ -15,6 +15,7 @@ from app.core.lora_dir import lora_dir
 from app.core.storage import Storage
 from app.domain import batches, estimates
 from app.domain.adapters import parents
+from app.domain.online import EngineUnavailable
 from app.domain.schemas import BatchErrors, BatchEstimate, CreateBatchRequest
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.found_adapters import adapter_finder
@@ -45,6 +46,7 @@ async def estimate(
 ) -> BatchEstimate:
     batches.check_request(request, settings.allowed_windows)
     source = await asyncio.to_thread(batches.input_of, db=db, request=request, owner=owner)
+    _check_up(engine)
     path = await storage.local_path(source.id)
     report = await asyncio.to_thread(check_file, path, settings, request.endpoint, engine)
     return await of_checked(
@@ -56,6 +58,7 @@ async def of_checked(
     *, db: Engine, settings: Settings, engine: EngineView, endpoint: str, file_id: str, path: Path, report: Report
 ) -> BatchEstimate:
     """The estimate of the file at `path` (`file_id`), once `check_file` has given its `report`."""
+    _check_up(engine)
     # The model the batch would run on, as its validation names it (`app.engine.intake`).
     model = report.model or (engine.served_models[0] if engine.served_models else None)
     asked = estimates.Asked(input_file_id=file_id, endpoint=endpoint, model=model)
@@ -69,6 +72,12 @@ async def of_checked(
     context = max_model_len if isinstance(max_model_len, int) else DEFAULT_MAX_MODEL_LEN
     lines = None if counts is None else _lines(endpoint, bodies, counts, context)
     return estimates.estimate(asked, report.total, lines, history, pricing)
+
+
+def _check_up(engine: EngineView) -> None:
+    """Until an engine serves, the models a file may name are not known: its validation would be wrong."""
+    if engine.state != "ok":
+        raise EngineUnavailable(engine.state)
 
 
 def _bodies(report: Report, path: Path) -> list[dict]:
