@@ -214,6 +214,16 @@ def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
+def fake_token_count(body: dict) -> int | None:
+    """The fake's tokenizer: a prompt's whitespace-separated words (each message's, for a chat); None for a body
+    without a text prompt, as the real one cannot count a body its handler refuses."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+    prompt = body.get("prompt", body.get("input"))
+    return len(prompt.split()) if isinstance(prompt, str) else None
+
+
 class FakeServing:
     max_num_seqs = 4
     data_parallel_size = 1
@@ -269,6 +279,9 @@ class FakeServing:
 
     def preemptions(self) -> int | None:
         return self.executor.preemptions
+
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        return [fake_token_count(body) for body in bodies]
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
         if endpoint not in self.endpoints:

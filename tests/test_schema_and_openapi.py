@@ -60,6 +60,7 @@ def test_openapi_lists_every_endpoint():
     assert set(paths) == {
         "/v1/files", "/v1/files/{file_id}", "/v1/files/{file_id}/content", "/v1/batches",
         "/v1/batches/{batch_id}", "/v1/batches/{batch_id}/cancel", "/v1/batches/{batch_id}/partial_output",
+        "/v1/batches/estimate",
         "/v1/batches/{batch_id}/progress", "/v1/batches/{batch_id}/retry", "/v1/models", "/v1/models/{model}",
         "/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses",
         "/health", "/health/ready", "/health/live", "/metrics",

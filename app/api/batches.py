@@ -10,6 +10,7 @@ from app.domain import batches, retry
 from app.domain.partial_output import Kind, open_partial
 from app.domain.schemas import (
     Batch,
+    BatchEstimate,
     BatchList,
     BatchProgress,
     BatchRetry,
@@ -17,6 +18,7 @@ from app.domain.schemas import (
     ErrorResponse,
     RetryBatchRequest,
 )
+from app.engine import estimating
 
 router = APIRouter(
     prefix="/v1/batches",
@@ -38,6 +40,27 @@ def create_batch(
     )
     engine.wake()
     return batches.to_wire(row)
+
+
+@router.post(
+    "/estimate",
+    response_model=BatchEstimate,
+    summary="Estimate a batch before creating it (vbatch extension)",
+    description=(
+        "Takes the body of `POST /v1/batches` and creates nothing: the file's lines, their prompt tokens (the served "
+        "model's tokenizer, chat template applied), the most output tokens they allow, the output, cached share, "
+        "run time, GPU-seconds and (with VBATCH_GPU_HOUR_PRICE) cost expected from this engine's earlier batches of "
+        "the same model and endpoint (`basis` says which; null where there are none). A file that would fail "
+        "validation gets validation's errors, with line numbers, in `errors`. Not part of OpenAI's API."
+    ),
+    responses={404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+)
+async def estimate_batch(
+    body: CreateBatchRequest, db: DbDep, settings: SettingsDep, storage: StorageDep, engine: EngineDep, owner: OwnerDep
+) -> BatchEstimate:
+    return await estimating.estimate(
+        db=db, storage=storage, settings=settings, engine=engine, request=body, owner=owner
+    )
 
 
 @router.get("", response_model=BatchList)

@@ -135,13 +135,20 @@ def _from_validation(request: Request, exc: RequestValidationError) -> APIError:
 
 
 def _allowed_methods(app: FastAPI, path: str) -> str:
-    """Every method the path answers to: Starlette's own `Allow` names only the first route that matched it."""
+    """Every method the path answers to: Starlette's own `Allow` names only the first route that matched it. A
+    path that some route names exactly (`/v1/batches/estimate`) is that route's resource, not a value of a templated
+    one (`/v1/batches/{batch_id}`), as OpenAPI matches concrete paths before templated ones."""
+    matching = [route for route in app.routes if _matches(route, path)]
+    exact = [route for route in matching if getattr(route, "path", None) == path]
     methods: set[str] = set()
-    for route in app.routes:
-        pattern = getattr(route, "path_regex", None)
-        if pattern is not None and pattern.match(path):
-            methods |= getattr(route, "methods", None) or set()
+    for route in exact or matching:
+        methods |= getattr(route, "methods", None) or set()
     return ", ".join(sorted(methods))
+
+
+def _matches(route: object, path: str) -> bool:
+    pattern = getattr(route, "path_regex", None)
+    return pattern is not None and pattern.match(path) is not None
 
 
 def install_error_handlers(app: FastAPI) -> None:

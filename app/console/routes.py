@@ -39,15 +39,14 @@ from app.console.headers import with_console_headers
 from app.console.sessions import Session
 from app.core.errors import DomainError, Unauthenticated
 from app.core.gpu import gpu_usage
-from app.core.lora_dir import lora_dir
 from app.domain import batches, files, retry
-from app.domain.adapters import parents
 from app.domain.errors import InvalidRequest
 from app.domain.lifecycle import ACTIVE, BatchStatus
+from app.domain.online import EngineUnavailable
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
-from app.domain.validation import Limits, validate_file
-from app.engine.found_adapters import adapter_finder
+from app.engine import estimating
+from app.engine.estimating import check_file
 
 PAGE_SIZE = 20
 FIRST_ERROR_LINES = 10
@@ -287,7 +286,8 @@ async def upload(
 ) -> Response:
     """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
     row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
-    report = await asyncio.to_thread(_check_lines, await storage.local_path(row.id), settings, endpoint, engine)
+    path = await storage.local_path(row.id)
+    report = await asyncio.to_thread(check_file, path, settings, endpoint, engine)
     problems = [error.model_dump() for error in report.errors]
     return JSONResponse(
         {
@@ -295,19 +295,23 @@ async def upload(
             "total": report.total,
             "error_count": report.error_count,
             "problems": problems,
+            "estimate": await _estimate(db, settings, engine, endpoint, row.id, path, report),
         }
     )
 
 
-def _check_lines(path: Path, settings, endpoint: str, engine):
-    # An API replica's engine view reads the served models from the workers' beats in the database.
-    served = engine.served_models
-    # Without an engine yet, its rank limit is unknown: the batch's own validation, on the engine, checks it.
-    found = adapter_finder(lora_dir(settings), base=served[0], engine_config=engine.engine_config) if served else None
-    limits = Limits.from_settings(
-        settings, endpoint=endpoint, served_models=served, parents=parents(engine.adapters), find_adapter=found
-    )
-    return validate_file(path, limits)
+async def _estimate(db, settings, engine, endpoint: str, file_id: str, path: Path, report) -> dict | None:
+    """The estimate of a valid file (`POST /v1/batches/estimate`'s), shown before the batch is created; None while
+    no engine can count its tokens."""
+    if not report.ok:
+        return None
+    try:
+        found = await estimating.of_checked(
+            db=db, settings=settings, engine=engine, endpoint=endpoint, file_id=file_id, path=path, report=report
+        )
+    except EngineUnavailable:
+        return None
+    return found.model_dump(mode="json")
 
 
 @pages.post("/batches")

@@ -66,6 +66,8 @@ class Settings(BaseSettings):
     max_choices_per_request: int = 128
     batch_file_ttl_seconds: int = 30 * 86400
     output_file_ttl_seconds: int = 30 * 86400
+    # What a GPU-hour costs, in USD (None: no cost is shown): estimates, and what batches cost, are priced with it.
+    gpu_hour_price: float | None = None
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
     # Online requests' time to first token the batch window keeps under (`app.engine.window`): while their recent

@@ -121,7 +121,8 @@ def _check_text(request: CreateBatchRequest) -> None:
             ) from None
 
 
-def _check_request(request: CreateBatchRequest, windows: dict[str, int]) -> None:
+def check_request(request: CreateBatchRequest, windows: dict[str, int]) -> None:
+    """The body's own fields, before its input file is looked at (creation's first check, and an estimate's)."""
     _check_text(request)
     if request.endpoint not in ENDPOINTS:
         raise InvalidRequest(
@@ -159,7 +160,7 @@ def _check_metadata(metadata: dict[str, str] | None) -> None:
 def create(
     *, db: Engine, request: CreateBatchRequest, windows: dict[str, int], owner: str, max_active: int
 ) -> BatchRow:
-    _check_request(request, windows)
+    check_request(request, windows)
     with write_scope(db) as session:
         # The input stays until this commits (a delete waits on its row); the count holds (a create waits).
         source = session.get(FileRow, request.input_file_id, with_for_update=True)
@@ -168,12 +169,7 @@ def create(
             raise NotFound("File", request.input_file_id, param="input_file_id")
         assert source is not None
         _check_active_count(session, owner=owner, max_active=max_active)
-        if source.purpose != "batch":
-            raise InvalidRequest(
-                f"File {source.id} has purpose '{source.purpose}'; a batch needs a file with purpose 'batch'.",
-                param="input_file_id",
-                code="invalid_file_purpose",
-            )
+        _check_purpose(source)
         created = clock.now()
         row = BatchRow(
             id=new_id("batch_"),
@@ -195,6 +191,26 @@ def create(
         announce_work(session)
         session.commit()
     return row
+
+
+def _check_purpose(source: FileRow) -> None:
+    if source.purpose != "batch":
+        raise InvalidRequest(
+            f"File {source.id} has purpose '{source.purpose}'; a batch needs a file with purpose 'batch'.",
+            param="input_file_id",
+            code="invalid_file_purpose",
+        )
+
+
+def input_of(*, db: Engine, request: CreateBatchRequest, owner: str) -> FileRow:
+    """The input file a batch of `request` would run, refused as `create` refuses it (an estimate's check)."""
+    with session_scope(db) as session:
+        source = session.get(FileRow, request.input_file_id)
+    if not files.usable(source, owner):
+        raise NotFound("File", request.input_file_id, param="input_file_id")
+    assert source is not None
+    _check_purpose(source)
+    return source
 
 
 def _check_active_count(session, *, owner: str, max_active: int) -> None:

@@ -26,7 +26,7 @@ _NO_DIGEST = b""
 _BASE = ""
 
 
-def _leading_text(body: dict) -> str:
+def leading_text(body: dict) -> str:
     if isinstance(body.get("messages"), list):
         return "".join(
             str(m["content"]) if isinstance(m.get("content"), str) else json.dumps(m.get("content"))
@@ -43,7 +43,7 @@ def _leading_text(body: dict) -> str:
 
 
 def prefix_digest(body: dict) -> bytes | None:
-    text = _leading_text(body)
+    text = leading_text(body)
     if len(text) < PREFIX_CHARS:
         return None
     return hashlib.blake2b(text[:PREFIX_CHARS].encode(), digest_size=16).digest()

@@ -169,6 +169,52 @@ class ExpiresAfter(BaseModel):
     seconds: int = Field(ge=3600, le=2_592_000)
 
 
+class EstimateBasis(BaseModel):
+    """Where an estimate's figures came from."""
+
+    # `tokenizer`: the served model's tokenizer, chat template applied; `unknown`: no engine here to count with.
+    token_counts: Literal["tokenizer", "unknown"]
+    # The earlier completed batches of the same model and endpoint the expected output and the rate come from
+    # (newest first; empty: no history, so those figures are null).
+    history_batch_ids: list[str]
+    # `measured`: the engine's own rate over those batches' runs; `unknown`: no history.
+    rate: Literal["measured", "unknown"]
+    # Output tokens per second over those runs (input tokens per second for an endpoint that generates none).
+    tokens_per_second: float | None
+    rate_unit: Literal["output_tokens", "input_tokens"] | None
+    # GPUs the engine holds (tensor x data parallel): the factor from run seconds to GPU-seconds.
+    gpus: int
+
+
+class BatchEstimate(BaseModel):
+    """`POST /v1/batches/estimate` (a vbatch extension): what a batch of this body would be, before it exists."""
+
+    object: Literal["batch.estimate"] = "batch.estimate"
+    input_file_id: str
+    endpoint: str
+    model: str | None
+    # What the batch's validation would say of the file, with line numbers; null when it is valid (then the
+    # figures below are filled in as far as they are known).
+    errors: BatchErrors | None
+    lines: int
+    prompt_tokens: int | None
+    # The most output tokens the lines allow (each line's limit, or the context left after its prompt, times `n`).
+    max_output_tokens: int | None
+    # Output tokens per line of earlier batches of the same model and endpoint, times the lines.
+    expected_output_tokens: int | None
+    # Prompt tokens expected from the prefix cache: lines that share their long leading text (`app.domain.
+    # input_index`) after the first of them.
+    expected_cached_tokens: int | None
+    expected_cached_share: float | None
+    # Seconds the batch runs once it starts (not its wait for a turn), at the measured rate.
+    eta_seconds: float | None
+    gpu_seconds: float | None
+    # With VBATCH_GPU_HOUR_PRICE set: gpu_seconds at that price.
+    cost_usd: float | None
+    gpu_hour_price: float | None
+    basis: EstimateBasis
+
+
 class CreateBatchRequest(BaseModel):
     input_file_id: str
     endpoint: str

@@ -77,6 +77,12 @@ def engine_processes(*, tensor_parallel: int, pipeline_parallel: int, data_paral
     return data_parallel * (1 if gpus == 1 else 1 + gpus)
 
 
+# Bodies a front end counts tokens of in one message (`FrontendPool.count_tokens`).
+COUNT_PART = 2000
+# Answers that are a value, not a (status, body) pair.
+_PLAIN_ANSWERS = ("health", "count")
+
+
 class NotReady(RuntimeError):
     """The front ends did not all report ready in time."""
 
@@ -212,6 +218,25 @@ class FrontendPool:
             return False
         return all(answers)
 
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        """In parts of `COUNT_PART` bodies, each sent to the front end least busy then: a large file is counted by
+        every front end at once, the busiest last."""
+        parts = [bodies[start : start + COUNT_PART] for start in range(0, len(bodies), COUNT_PART)]
+        counted = await asyncio.gather(*(self._ask_count(endpoint, part) for part in parts))
+        return [count for part in counted for count in part]
+
+    async def _ask_count(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        frontend = self._least_busy()
+        request_id = next(self._ids)
+        answer = asyncio.get_running_loop().create_future()
+        frontend.pending[request_id] = answer
+        frontend.outbox.append(("count", request_id, endpoint, bodies))
+        self._wake.set()
+        try:
+            return await answer
+        finally:
+            frontend.pending.pop(request_id, None)
+
     def generated_tokens(self) -> int | None:
         return self._generated_tokens()
 
@@ -264,7 +289,7 @@ class FrontendPool:
                 if status is None:
                     answer.set_exception(EngineDead(body))
                 else:
-                    answer.set_result(body if status == "health" else (status, body))
+                    answer.set_result(body if status in _PLAIN_ANSWERS else (status, body))
 
     def _take_online(self, frontend: _Frontend, items: list[tuple]) -> None:
         """A front end's news of online requests: a stream's chunks, or a first answer, a stream's end, a death."""
@@ -455,6 +480,8 @@ class _FrontendLoop:
                 task.cancel()
         elif kind == "health":
             self.running[request_id] = asyncio.create_task(self.health(request_id))
+        elif kind == "count":
+            self.running[request_id] = asyncio.create_task(self.count(request_id, *item[2:]))
         elif kind == "respond":
             self.running[request_id] = asyncio.create_task(self.respond(request_id, *item[2:]))
         elif kind == "room" and request_id in self.rooms:
@@ -519,6 +546,15 @@ class _FrontendLoop:
     async def health(self, request_id: int) -> None:
         try:
             self.answer((request_id, "health", await self.serving.is_alive()))
+        finally:
+            self.running.pop(request_id, None)
+
+    async def count(self, request_id: int, endpoint: str, bodies: list[dict]) -> None:
+        try:
+            self.answer((request_id, "count", await self.serving.count_tokens(endpoint, bodies)))
+        except Exception:  # a last resort: the serving layer counts what it can and says None for the rest
+            log.exception("front end %d: counting tokens failed", self.index)
+            self.answer((request_id, "count", [None] * len(bodies)))
         finally:
             self.running.pop(request_id, None)
 

@@ -70,6 +70,13 @@ class LiveEngine:
             raise EngineDead("the engine is not running")
         return await serving.respond(endpoint, body)
 
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        """Prompt tokens of each body (`Serving.count_tokens`), beside the batch lines like an online request."""
+        serving = self._serving
+        if serving is None or self.state != "ok":
+            raise EngineDead("the engine is not running")
+        return await serving.count_tokens(endpoint, bodies)
+
     def generated_tokens(self) -> int | None:
         serving = self._serving
         return serving.generated_tokens() if serving is not None and self.state == "ok" else None

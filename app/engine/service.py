@@ -27,7 +27,7 @@ from app.core.storage import Storage
 from app.domain import workers
 from app.domain.adapters import Adapter
 from app.domain.leases import Lease
-from app.domain.online import OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.bridge import EngineThread
@@ -39,7 +39,7 @@ from app.engine.metrics import Metrics
 from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineFactory, Serving, engine_wave, max_loras, schedules_by_priority
+from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave, max_loras, schedules_by_priority
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
@@ -170,6 +170,18 @@ class EngineService:
     async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
         """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
         return await self._online.respond(endpoint, body)
+
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+        """On the caller's loop: each body's prompt tokens, counted from the engine thread's loop, which hands the
+        work off itself (`Serving.count_tokens`). Raises EngineUnavailable unless the engine is ok."""
+        loop = self._bridge.loop
+        if loop is None or self.state != "ok":
+            raise EngineUnavailable(self.state)
+        counting = asyncio.run_coroutine_threadsafe(self.live.count_tokens(endpoint, bodies), loop)
+        try:
+            return await asyncio.wrap_future(counting)
+        except EngineDead:
+            raise EngineUnavailable(self.live.state) from None
 
     async def start(
         self,

@@ -63,6 +63,12 @@ class Serving(Protocol):
 
     async def is_alive(self) -> bool: ...
 
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        """Each body's prompt tokens as the serving layer would give them to the engine at `endpoint` (the served
+        model's tokenizer, a chat's template applied); None for a body it cannot count. Off the engine's loop: in
+        front-end processes, or a thread."""
+        ...
+
     def generated_tokens(self) -> int | None:
         """Output tokens the engine has generated since it started, finished requests or not (None: unknown).
         Called from any thread."""
@@ -142,6 +148,9 @@ class _Poisoned:
 
     async def is_alive(self) -> bool:
         return await self._serving.is_alive()
+
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        return await self._serving.count_tokens(endpoint, bodies)
 
     def generated_tokens(self) -> int | None:
         return self._serving.generated_tokens()

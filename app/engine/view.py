@@ -63,6 +63,11 @@ class EngineView(Protocol):
         when no engine can answer it now."""
         ...
 
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+        """Each body's prompt tokens on the served model's tokenizer (None for one it cannot count); None when no
+        engine here counts (an API replica). Raises EngineUnavailable when the engine is not up."""
+        ...
+
     async def start(
         self,
         *,
@@ -182,6 +187,11 @@ class WorkersView:
             state = _state_of(seen)
             raise EngineUnavailable(UNREACHABLE if state == "ok" else state)
         return await self._forwarder.forward(able, endpoint, body)
+
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+        """Unknown: an API replica has no tokenizer, and a worker's front ends are its batches' (an estimate here
+        gives what needs no count, and says its token counts are unknown)."""
+        return None
 
     def wake(self) -> None:
         """Workers hear of new work from the database (`db.announce_work`), or find it at their next poll."""

@@ -263,6 +263,17 @@ class ServingLayer:
             return 200, result.model_dump(mode="json", by_alias=True)
         return self._error(ValueError("Streaming is not supported in a batch: remove 'stream'."))
 
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+        """vLLM's own tokenization serving (`/tokenize`'s: the chat template applied as the chat handler applies it),
+        on a thread with a loop of its own, so that a large file's templates never hold up the lines this layer
+        serves; the renderer it calls keeps no state bound to a loop, and tokenizes on its own executor."""
+        tokenization = getattr(self._state, "serving_tokenization", None) or getattr(
+            self._state, "openai_serving_tokenization", None
+        )
+        if tokenization is None:
+            return [None] * len(bodies)
+        return await asyncio.to_thread(asyncio.run, _count_all(tokenization, endpoint, bodies))
+
     def generated_tokens(self) -> int | None:
         """vLLM's own counter (`vllm:generation_tokens`, the one `vllm serve` exports), summed over engines."""
         from vllm.v1.metrics.prometheus import get_prometheus_registry
@@ -285,6 +296,65 @@ class ServingLayer:
         except Exception:
             return False
         return not getattr(self.engine_client, "errored", False)
+
+
+# Bodies counted at once: enough to keep the renderer's executor busy between the loop's turns.
+COUNT_CONCURRENCY = 64
+# What a chat line's template depends on, beyond its messages (the rest of a body does not change its prompt).
+_CHAT_TEMPLATE_FIELDS = (
+    "messages",
+    "tools",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+    "chat_template",
+    "chat_template_kwargs",
+)
+
+
+async def _count_all(tokenization: Any, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    counts: list[int | None] = []
+    for start in range(0, len(bodies), COUNT_CONCURRENCY):
+        part = bodies[start : start + COUNT_CONCURRENCY]
+        counts += await asyncio.gather(*(_count(tokenization, endpoint, body) for body in part))
+    return counts
+
+
+async def _count(tokenization: Any, endpoint: str, body: dict) -> int | None:
+    """One body's prompt tokens on the base model's tokenizer (an adapter shares it); None if it cannot be counted."""
+    protocol = _first_module("vllm.entrypoints.serve.tokenize.protocol", "vllm.entrypoints.openai.protocol")
+    shaped = _tokenize_shape(endpoint, body)
+    if shaped is None or isinstance(shaped, int):
+        return shaped
+    try:
+        if "messages" in shaped:
+            request = protocol.TokenizeChatRequest.model_validate(shaped)
+        else:
+            request = protocol.TokenizeCompletionRequest.model_validate(shaped)
+        answer = await tokenization.create_tokenize(request, None)
+    except Exception:  # a body the handler would refuse: its line fails when it runs, and is not counted here
+        return None
+    count = getattr(answer, "count", None)
+    return count if isinstance(count, int) else None
+
+
+def _tokenize_shape(endpoint: str, body: dict) -> dict | int | None:
+    """The /tokenize body that gives `body`'s prompt at `endpoint` (a count, for a prompt of token ids)."""
+    if endpoint == "/v1/chat/completions" or (endpoint == "/v1/embeddings" and "messages" in body):
+        chat = {name: body[name] for name in _CHAT_TEMPLATE_FIELDS if name in body}
+        return chat if endpoint != "/v1/embeddings" else {"add_generation_prompt": False, **chat}
+    prompt = body.get("prompt" if endpoint == "/v1/completions" else "input")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+        return len(prompt)
+    if not isinstance(prompt, str):
+        return None
+    if endpoint == "/v1/responses":  # the Responses handler's messages: its instructions, then its input
+        instructions = body.get("instructions")
+        system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) else []
+        return {"messages": [*system, {"role": "user", "content": prompt}]}
+    return {"prompt": prompt}
 
 
 def served_adapters(models: Any) -> list[Adapter]:

@@ -76,6 +76,31 @@ function setupUpload(form) {
   });
 }
 
+const unknown = "unknown";
+
+function number(value, digits = 0) {
+  return value === null || value === undefined ? unknown : value.toLocaleString("en-US", { maximumFractionDigits: digits });
+}
+
+function showEstimate(estimate) {
+  const box = document.getElementById("estimate");
+  box.hidden = !estimate;
+  if (!estimate) return;
+  const set = (id, text) => { document.getElementById(id).textContent = text; };
+  set("estimate-prompt", number(estimate.prompt_tokens));
+  set("estimate-output", `${number(estimate.expected_output_tokens)} expected, at most ${number(estimate.max_output_tokens)}`);
+  const share = estimate.expected_cached_share;
+  set("estimate-cached", share === null ? unknown : `${number(estimate.expected_cached_tokens)} (${(share * 100).toFixed(1)}%)`);
+  set("estimate-eta", estimate.eta_seconds === null ? unknown : `${number(estimate.eta_seconds, 1)} s`);
+  set("estimate-gpu", number(estimate.gpu_seconds, 1));
+  set("estimate-cost", estimate.cost_usd === null ? "no price set (VBATCH_GPU_HOUR_PRICE)" : `$${number(estimate.cost_usd, 4)}`);
+  const basis = estimate.basis;
+  set("estimate-basis", basis.rate === "measured"
+    ? `From ${basis.history_batch_ids.length} earlier batch(es) of ${estimate.model} on ${estimate.endpoint}: ` +
+      `${number(basis.tokens_per_second, 1)} ${basis.rate_unit.replace("_", " ")}/s.`
+    : `Rate unknown: no earlier batch of ${estimate.model} on ${estimate.endpoint} has completed here.`);
+}
+
 function showReport(answer, endpoint) {
   document.getElementById("report").hidden = false;
   document.getElementById("input_file_id").value = answer.file.id;
@@ -84,6 +109,7 @@ function showReport(answer, endpoint) {
   const table = document.getElementById("problems");
   const rows = table.querySelector("tbody");
   rows.replaceChildren();
+  showEstimate(answer.estimate);
   if (answer.error_count === 0) {
     summary.textContent = `${answer.file.filename} (${answer.file.id}): ${answer.total} requests, all valid.`;
     table.hidden = true;

@@ -1,0 +1,235 @@
+"""A batch's estimate before it runs (`POST /v1/batches/estimate`): the arithmetic, from the lines' prompt token
+counts (the engine counts them, `app.engine.estimating`) and what this engine did on earlier batches of the same
+model and endpoint.
+
+Expected output is those batches' output tokens per line; the rate is their output tokens over their runs' seconds
+(input tokens for an endpoint that generates none), so a file of the same shape as one that has run gets an output
+and an ETA close to what it will do. Without such a batch both are null, and the basis says the rate is unknown.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.engine import Engine
+from sqlmodel import col, select
+
+from app.core.db import session_scope
+from app.domain.input_index import PREFIX_CHARS, leading_text, prefix_digest
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import BatchRow
+from app.domain.schemas import BatchErrors, BatchEstimate, EstimateBasis
+
+# The earlier batches an estimate learns from: the most recent ones, so that it follows the engine as it is now.
+HISTORY_BATCHES = 5
+SECONDS_PER_HOUR = 3600
+# The per-line field that bounds its output, by endpoint, in the order vLLM reads them (chat prefers
+# max_completion_tokens), and the bound vLLM applies when a line gives none (None: the context left after the prompt).
+_LIMIT_FIELDS = {
+    "/v1/chat/completions": ("max_completion_tokens", "max_tokens"),
+    "/v1/completions": ("max_tokens",),
+    "/v1/responses": ("max_output_tokens",),
+}
+_DEFAULT_LIMITS = {"/v1/completions": 16}
+GENERATES_NOTHING = ("/v1/embeddings",)
+
+
+@dataclass(frozen=True)
+class Line:
+    """What the estimate needs of one request line."""
+
+    prompt_tokens: int
+    # Output tokens the line allows at most (its limit, or the context left after the prompt), all choices together.
+    max_output_tokens: int
+    # Characters of its leading text, and their digest when long enough to share a cached prefix (`input_index`).
+    leading_chars: int
+    digest: bytes | None
+
+
+def line_of(endpoint: str, body: dict, prompt_tokens: int, max_model_len: int) -> Line:
+    text = leading_text(body)
+    return Line(
+        prompt_tokens=prompt_tokens,
+        max_output_tokens=max_output_tokens(endpoint, body, prompt_tokens, max_model_len),
+        leading_chars=len(text),
+        digest=prefix_digest(body),
+    )
+
+
+def max_output_tokens(endpoint: str, body: dict, prompt_tokens: int, max_model_len: int) -> int:
+    if endpoint in GENERATES_NOTHING:
+        return 0
+    room = max(0, max_model_len - prompt_tokens)
+    limits = [body.get(name) for name in _LIMIT_FIELDS.get(endpoint, ())]
+    limit = next((value for value in limits if isinstance(value, int) and value > 0), None)
+    limit = limit if limit is not None else _DEFAULT_LIMITS.get(endpoint)
+    n = body.get("n")
+    choices = n if isinstance(n, int) else 1
+    return (room if limit is None else min(limit, room)) * choices
+
+
+def expected_cached_tokens(lines: Sequence[Line]) -> int:
+    """Lines that share a digest share at least their first PREFIX_CHARS characters: after the first of them, that
+    part of each one's prompt (its tokens in proportion to its characters) is expected from the prefix cache. A lower
+    bound: a shared chat template or a prefix longer than PREFIX_CHARS caches more."""
+    seen: Counter[bytes] = Counter()
+    cached = 0
+    for line in lines:
+        if line.digest is None:
+            continue
+        if seen[line.digest]:
+            cached += line.prompt_tokens * PREFIX_CHARS // max(line.leading_chars, PREFIX_CHARS)
+        seen[line.digest] += 1
+    return cached
+
+
+@dataclass(frozen=True)
+class History:
+    """Earlier completed batches of one model and endpoint, summed."""
+
+    batch_ids: list[str]
+    lines: int
+    input_tokens: int
+    output_tokens: int
+    run_seconds: float
+
+    def output_per_line(self) -> float | None:
+        return self.output_tokens / self.lines if self.lines else None
+
+    def tokens_per_second(self, generates: bool) -> float | None:
+        tokens = self.output_tokens if generates else self.input_tokens
+        return tokens / self.run_seconds if tokens and self.run_seconds > 0 else None
+
+
+def run_seconds(timeline_json: str | None) -> float:
+    """Seconds a batch's last run took to its last result (`app.engine.meter`'s timeline; 0 if it kept none)."""
+    timeline = json.loads(timeline_json) if timeline_json else {}
+    return float(timeline.get("last_result", 0.0))
+
+
+def history_of(rows: Sequence[BatchRow]) -> History:
+    return History(
+        batch_ids=[row.id for row in rows],
+        lines=sum(row.completed for row in rows),
+        input_tokens=sum(row.input_tokens for row in rows),
+        output_tokens=sum(row.output_tokens for row in rows),
+        run_seconds=sum(run_seconds(row.timeline_json) for row in rows),
+    )
+
+
+def recent_history(*, db: Engine, model: str | None, endpoint: str, limit: int = HISTORY_BATCHES) -> History:
+    """The newest completed batches of `model` and `endpoint` that ran lines and timed their run (shards are counted
+    through their parent: a parent's totals are its shards' summed)."""
+    with session_scope(db) as session:
+        statement = (
+            select(BatchRow)
+            .where(
+                col(BatchRow.status) == BatchStatus.COMPLETED,
+                col(BatchRow.model) == model,
+                col(BatchRow.endpoint) == endpoint,
+                col(BatchRow.parent_id).is_(None),
+                col(BatchRow.completed) > 0,
+                col(BatchRow.timeline_json).is_not(None),
+            )
+            .order_by(col(BatchRow.created_ns).desc())
+            .limit(limit)
+        )
+        rows = list(session.exec(statement).all())
+    return history_of([row for row in rows if run_seconds(row.timeline_json) > 0])
+
+
+def gpu_seconds(run_seconds: float, gpus: int) -> float:
+    """Seconds the engine runs the batch, on each of the GPUs it holds."""
+    return run_seconds * max(1, gpus)
+
+
+def cost_usd(gpu_seconds: float, gpu_hour_price: float | None) -> float | None:
+    return None if gpu_hour_price is None else gpu_seconds / SECONDS_PER_HOUR * gpu_hour_price
+
+
+@dataclass(frozen=True)
+class Asked:
+    input_file_id: str
+    endpoint: str
+    model: str | None
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """The GPUs the engine holds and the price of one an hour (None: no price set)."""
+
+    gpus: int
+    gpu_hour_price: float | None
+
+
+def refused(asked: Asked, lines: int, errors: BatchErrors, pricing: Pricing) -> BatchEstimate:
+    """The estimate of a file that would fail validation: its errors, no figures."""
+    return BatchEstimate(
+        input_file_id=asked.input_file_id,
+        endpoint=asked.endpoint,
+        model=asked.model,
+        errors=errors,
+        lines=lines,
+        prompt_tokens=None,
+        max_output_tokens=None,
+        expected_output_tokens=None,
+        expected_cached_tokens=None,
+        expected_cached_share=None,
+        eta_seconds=None,
+        gpu_seconds=None,
+        cost_usd=None,
+        gpu_hour_price=pricing.gpu_hour_price,
+        basis=_basis(None, History([], 0, 0, 0, 0.0), asked.endpoint, pricing),
+    )
+
+
+def estimate(
+    asked: Asked, line_count: int, lines: Sequence[Line] | None, history: History, pricing: Pricing
+) -> BatchEstimate:
+    """`lines`: each line's counts, None when no engine here could count them (then only what needs no count)."""
+    generates = asked.endpoint not in GENERATES_NOTHING
+    per_line = history.output_per_line() if generates else 0.0
+    expected = None if per_line is None else round(per_line * line_count)
+    prompt = None if lines is None else sum(line.prompt_tokens for line in lines)
+    cached = None if lines is None else expected_cached_tokens(lines)
+    rate = history.tokens_per_second(generates)
+    work = expected if generates else prompt
+    eta = None if rate is None or work is None else work / rate
+    gpu = None if eta is None else gpu_seconds(eta, pricing.gpus)
+    return BatchEstimate(
+        input_file_id=asked.input_file_id,
+        endpoint=asked.endpoint,
+        model=asked.model,
+        errors=None,
+        lines=line_count,
+        prompt_tokens=prompt,
+        max_output_tokens=None if lines is None else sum(line.max_output_tokens for line in lines),
+        expected_output_tokens=expected,
+        expected_cached_tokens=cached,
+        expected_cached_share=None if not prompt or cached is None else round(cached / prompt, 4),
+        eta_seconds=None if eta is None else round(eta, 3),
+        gpu_seconds=None if gpu is None else round(gpu, 3),
+        cost_usd=None if gpu is None else _cents(cost_usd(gpu, pricing.gpu_hour_price)),
+        gpu_hour_price=pricing.gpu_hour_price,
+        basis=_basis(lines, history, asked.endpoint, pricing),
+    )
+
+
+def _cents(value: float | None) -> float | None:
+    return None if value is None else round(value, 6)
+
+
+def _basis(lines: Sequence[Line] | None, history: History, endpoint: str, pricing: Pricing) -> EstimateBasis:
+    generates = endpoint not in GENERATES_NOTHING
+    rate = history.tokens_per_second(generates)
+    return EstimateBasis(
+        token_counts="unknown" if lines is None else "tokenizer",
+        history_batch_ids=history.batch_ids,
+        rate="unknown" if rate is None else "measured",
+        tokens_per_second=None if rate is None else round(rate, 2),
+        rate_unit=None if rate is None else ("output_tokens" if generates else "input_tokens"),
+        gpus=max(1, pricing.gpus),
+    )

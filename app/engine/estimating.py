@@ -1,0 +1,98 @@
+"""An estimate of a batch before it exists (`POST /v1/batches/estimate`, the console's submit page): the body checked
+as creation checks it, the file validated as the batch's validation would, each line's prompt counted by the engine
+(`EngineView.count_tokens`: off its loop, in front-end processes where there are several), and the arithmetic of
+`app.domain.estimates` over them and the engine's history."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+
+from app.core.config import Settings
+from app.core.lora_dir import lora_dir
+from app.core.storage import Storage
+from app.domain import batches, estimates
+from app.domain.adapters import parents
+from app.domain.online import EngineUnavailable
+from app.domain.schemas import BatchErrors, BatchEstimate, CreateBatchRequest
+from app.domain.validation import Limits, Report, validate_file
+from app.engine.found_adapters import adapter_finder
+from app.engine.view import EngineView
+
+# The context vLLM gives a model when the engine does not say (its config always does; a fake may not).
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def limits_for(settings: Settings, endpoint: str, engine: EngineView) -> Limits:
+    """Validation's limits as the engine's would be. An API replica's engine view reads the served models from the
+    workers' beats in the database; without an engine yet, the adapters' rank limit is unknown: the batch's own
+    validation, on the engine, checks it."""
+    served = engine.served_models
+    found = adapter_finder(lora_dir(settings), base=served[0], engine_config=engine.engine_config) if served else None
+    return Limits.from_settings(
+        settings, endpoint=endpoint, served_models=served, parents=parents(engine.adapters), find_adapter=found
+    )
+
+
+def check_file(path: Path, settings: Settings, endpoint: str, engine: EngineView) -> Report:
+    """Blocking: the file's one read, as the batch's validation reads it."""
+    return validate_file(path, limits_for(settings, endpoint, engine))
+
+
+async def estimate(
+    *, db: Engine, storage: Storage, settings: Settings, engine: EngineView, request: CreateBatchRequest, owner: str
+) -> BatchEstimate:
+    batches.check_request(request, settings.allowed_windows)
+    source = await asyncio.to_thread(batches.input_of, db=db, request=request, owner=owner)
+    _check_up(engine)
+    path = await storage.local_path(source.id)
+    report = await asyncio.to_thread(check_file, path, settings, request.endpoint, engine)
+    return await of_checked(
+        db=db, settings=settings, engine=engine, endpoint=request.endpoint, file_id=source.id, path=path, report=report
+    )
+
+
+async def of_checked(
+    *, db: Engine, settings: Settings, engine: EngineView, endpoint: str, file_id: str, path: Path, report: Report
+) -> BatchEstimate:
+    """The estimate of the file at `path` (`file_id`), once `check_file` has given its `report`."""
+    _check_up(engine)
+    # The model the batch would run on, as its validation names it (`app.engine.intake`).
+    model = report.model or (engine.served_models[0] if engine.served_models else None)
+    asked = estimates.Asked(input_file_id=file_id, endpoint=endpoint, model=model)
+    pricing = estimates.Pricing(gpus=_gpus(engine.engine_config), gpu_hour_price=settings.gpu_hour_price)
+    if not report.ok:
+        return estimates.refused(asked, report.total, BatchErrors(data=report.errors), pricing)
+    bodies = await asyncio.to_thread(_bodies, report, path)
+    counts = await engine.count_tokens(endpoint, bodies)
+    history = await asyncio.to_thread(estimates.recent_history, db=db, model=model, endpoint=endpoint)
+    max_model_len = engine.engine_config.get("max_model_len")
+    context = max_model_len if isinstance(max_model_len, int) else DEFAULT_MAX_MODEL_LEN
+    lines = None if counts is None else _lines(endpoint, bodies, counts, context)
+    return estimates.estimate(asked, report.total, lines, history, pricing)
+
+
+def _check_up(engine: EngineView) -> None:
+    """Until an engine serves, the models a file may name are not known: its validation would be wrong."""
+    if engine.state != "ok":
+        raise EngineUnavailable(engine.state)
+
+
+def _bodies(report: Report, path: Path) -> list[dict]:
+    return [request["body"] for _, request in report.index.requests(path, range(len(report.index)))]
+
+
+def _lines(endpoint: str, bodies: list[dict], counts: list[int | None], context: int) -> list[estimates.Line]:
+    """A line the tokenizer could not count (its handler would refuse it) counts no prompt tokens."""
+    return [estimates.line_of(endpoint, body, count or 0, context) for body, count in zip(bodies, counts, strict=True)]
+
+
+def _gpus(engine_config: dict[str, object]) -> int:
+    """GPUs the engine holds: a model's copy on `tensor_parallel_size` of them, `data_parallel_size` copies."""
+    sizes = [engine_config.get("tensor_parallel_size"), engine_config.get("data_parallel_size")]
+    gpus = 1
+    for size in sizes:
+        gpus *= size if isinstance(size, int) and size > 0 else 1
+    return gpus

@@ -1,0 +1,65 @@
+"""`POST /v1/batches/estimate` on the real CPU engine, through the official openai SDK (issue 31): the seed's tickets
+file (bench.common, as `bench.compare` runs it on the CPU) is estimated, run, estimated again and run again. Prompt
+tokens are the engine's own count (the chat template applied), so they equal the batch's usage exactly; once one
+batch of the same shape has run, the expected output and the ETA are within 30% of the next batch's actual."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+from openai import OpenAI
+
+from bench.common import write_ticket_batch
+from bench.compare import SAMPLING
+from tests.e2e.conftest import MODEL
+from tests.e2e.helpers import lines_of, wait_terminal
+
+TICKETS = 48  # `bench.compare`'s CPU run: --prompts 48 --max-tokens 32
+MAX_TOKENS = 32
+CHAT = "/v1/chat/completions"
+
+
+def _estimate(client: OpenAI, file_id: str) -> dict:
+    body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+    return client.post("/batches/estimate", body=body, cast_to=object)  # type: ignore[return-value]
+
+
+def _run(client: OpenAI, server, file_id: str) -> tuple[list[dict], dict, float]:
+    """The batch's result lines, its usage and its run's seconds (the progress timeline's last result)."""
+    batch = client.batches.create(input_file_id=file_id, endpoint=CHAT, completion_window="24h")
+    done = wait_terminal(client, batch.id)
+    assert done.status == "completed", done
+    progress = client.get(f"/batches/{batch.id}/progress", cast_to=object)
+    return lines_of(client, done.output_file_id), done.usage.model_dump(), progress["timeline"]["last_result"]
+
+
+def test_the_tickets_estimate_matches_what_the_batch_did(openai_client, server, tmp_path: Path):
+    path = tmp_path / "tickets.jsonl"
+    write_ticket_batch(path, TICKETS, model=MODEL, sampling={**SAMPLING, "max_tokens": MAX_TOKENS})
+    uploaded = openai_client.files.create(file=("tickets.jsonl", io.BytesIO(path.read_bytes())), purpose="batch")
+
+    before = _estimate(openai_client, uploaded.id)
+    assert before["object"] == "batch.estimate" and before["errors"] is None
+    assert before["lines"] == TICKETS and before["basis"]["token_counts"] == "tokenizer"
+    assert before["max_output_tokens"] == TICKETS * MAX_TOKENS
+
+    first, first_usage, _ = _run(openai_client, server, uploaded.id)
+    prompt_tokens = sum(line["response"]["body"]["usage"]["prompt_tokens"] for line in first)
+    assert before["prompt_tokens"] == prompt_tokens == first_usage["input_tokens"]
+
+    after = _estimate(openai_client, uploaded.id)
+    assert after["basis"]["rate"] == "measured" and after["basis"]["history_batch_ids"][0]
+    second, second_usage, second_seconds = _run(openai_client, server, uploaded.id)
+    figures = {
+        "prompt_tokens": [after["prompt_tokens"], second_usage["input_tokens"]],
+        "output_tokens": [after["expected_output_tokens"], second_usage["output_tokens"]],
+        "eta_seconds": [after["eta_seconds"], second_seconds],
+        "cached_tokens": [after["expected_cached_tokens"], second_usage["input_tokens_details"]["cached_tokens"]],
+    }
+    print("estimate vs actual (CPU, tickets):", json.dumps(figures))
+    assert after["prompt_tokens"] == second_usage["input_tokens"]
+    assert abs(after["expected_output_tokens"] - second_usage["output_tokens"]) <= 0.3 * second_usage["output_tokens"]
+    assert abs(after["eta_seconds"] - second_seconds) <= 0.3 * second_seconds
+    assert len(second) == TICKETS
