@@ -99,6 +99,15 @@ def engine_wave(serving: Serving) -> int:
     return serving.max_num_seqs * max(1, serving.data_parallel_size)
 
 
+def engine_devices(serving: Serving) -> int:
+    """The GPUs one engine runs on: tensor x data parallel size (1 where its config does not say)."""
+    devices = 1
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        size = serving.engine_config.get(name)
+        devices *= size if isinstance(size, int) and size > 0 else 1
+    return devices
+
+
 # Each call starts a new engine; leaving the context stops it.
 EngineFactory = Callable[[], AbstractAsyncContextManager[Serving]]
 
