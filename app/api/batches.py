@@ -91,14 +91,17 @@ def cancel_batch(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -
     summary="Live progress (vbatch extension)",
     description=(
         "The batch's request counts with requests/s, output tokens/s as the engine generates them, an ETA (null "
-        "until one can be estimated) and the timeline of its run; before it runs, what it waits for (`waiting`). "
+        "until one can be estimated) and the timeline of its run; before it runs, what it waits for (`waiting`); "
+        "the engine time its requests used (`gpu_seconds`) and, with VBATCH_GPU_HOUR_PRICE set, what that cost. "
         "Not part of OpenAI's API."
     ),
     responses={404: {"model": ErrorResponse}},
 )
-def batch_progress(batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep) -> BatchProgress:
+def batch_progress(
+    batch_id: str, db: DbDep, engine: EngineDep, owner: OwnerDep, settings: SettingsDep
+) -> BatchProgress:
     row = batches.get(db=db, batch_id=batch_id, owner=owner)
-    return batches.progress(row, engine.live_stats(row.id), engine.served_models)
+    return batches.progress(row, engine.live_stats(row.id), engine.served_models, settings.gpu_hour_price)
 
 
 @router.get(

@@ -35,6 +35,7 @@ from app.api.errors import (
 )
 from app.core.errors import DomainError
 from app.core.lora_dir import LoraDir, lora_dir
+from app.domain.cost import weighed_tokens
 from app.domain.errors import ModelNotServed
 from app.domain.online import ONLINE_ENDPOINTS, OnlineAnswer, online_priority
 from app.domain.ratelimits import (
@@ -47,7 +48,7 @@ from app.domain.ratelimits import (
     output_tokens,
     used_tokens,
 )
-from app.engine.metrics import OnlineMetrics, key_label
+from app.engine.metrics import LIVE, EngineTime, OnlineMetrics, Payer, key_label
 from app.engine.view import EngineView
 
 log = logging.getLogger("vbatch.api")
@@ -83,6 +84,8 @@ class OnlineCall:
         self.engine: EngineView = state.engine
         self.limiter: RateLimiter = state.online_limits
         self.metrics: OnlineMetrics = state.metrics.online
+        # This process's engine's time (None where no engine runs: a `vbatch api` replica; its worker charges it).
+        self.engine_time: EngineTime | None = state.metrics.engine_time
         self.most_bytes: int = state.settings.max_json_body_bytes
         self.found_adapters = lora_dir(state.settings)
         self.key = key_label(owner)
@@ -132,7 +135,7 @@ class OnlineCall:
         used = used_tokens(usage)
         # An error answer carries no usage: nothing was generated, so nothing is charged but the request itself.
         quota = self.settle(0 if used is None and answer.status >= 400 else used)
-        self.ended(output_tokens(usage) or 0)
+        self.ended(output_tokens(usage) or 0, usage)
         return EngineJSON(answer.body, status_code=answer.status, headers=limit_headers(quota))
 
     def _refused(self, exc: APIError | DomainError) -> Response:
@@ -149,9 +152,14 @@ class OnlineCall:
             return self.limiter.quota(self.owner)
         return self.limiter.settle(self.admission, tokens_used=used)
 
-    def ended(self, output: int) -> None:
+    def ended(self, output: int, usage: object) -> None:
+        """The answer's last byte is sent (or its client gone): `output` tokens, and its `usage` if it told one. The
+        engine time it used is charged by the usage's tokens; a stream that told none, by its output events."""
         seconds = time.perf_counter() - self.started
         self.metrics.ended(key=self.key, model=self.model, seconds=seconds, output_tokens=output)
+        if self.engine_time is not None:
+            tokens = weighed_tokens(usage) if isinstance(usage, dict) else output
+            self.engine_time.used(Payer(LIVE, self.key, self.model), tokens)
 
 
 def _served_models(engine: EngineView, model: object, found_adapters: LoraDir | None) -> list[str]:
@@ -225,7 +233,7 @@ class MeasuredEvents:
             used = used_tokens(self._usage)
             if used is not None:
                 self._call.settle(used)
-            self._call.ended(output_tokens(self._usage) or self._outputs)
+            self._call.ended(output_tokens(self._usage) or self._outputs, self._usage)
 
 
 class EventStream(StreamingResponse):

@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
+from app.domain.cost import Spend
 from app.domain.errors import InvalidRequest
 from app.domain.lifecycle import TERMINAL, BatchStatus
 from app.domain.models import FileRow
@@ -37,9 +38,10 @@ class BatchRowView:
     eta_seconds: float | None
     ended_at: int | None
     final: bool
+    spend: Spend  # what it used and cost so far (`app.domain.cost`)
 
 
-def batch_row(batch: Batch, stats: RunStats | None) -> BatchRowView:
+def batch_row(batch: Batch, stats: RunStats | None, spend: Spend) -> BatchRowView:
     counts = batch.request_counts
     done = counts.completed + counts.failed
     ended = [getattr(batch, field) for field in ENDINGS if getattr(batch, field) is not None]
@@ -55,6 +57,7 @@ def batch_row(batch: Batch, stats: RunStats | None) -> BatchRowView:
         eta_seconds=stats.eta_seconds if stats else None,
         ended_at=max(ended) if ended else None,
         final=batch.status in TERMINAL,
+        spend=spend,
     )
 
 
@@ -161,4 +164,24 @@ def throughput(batch_rates: dict[str, tuple[float, float]], online: tuple[float,
     )
 
 
-FILTERS = {"when": when, "day_minute": day_minute, "size": size, "duration": duration, "rate": rate}
+def gpu_seconds(value: float | None) -> str:
+    """A batch's engine time: to the second, or the tenth below ten, as `duration` words its seconds."""
+    return "-" if value is None else f"{value:,.1f} GPU-s" if value < 10 else f"{value:,.0f} GPU-s"
+
+
+def usd(value: float | None) -> str:
+    """A cost: cents, or four places below a cent (a small batch's cost is a fraction of one)."""
+    if value is None:
+        return "-"
+    return f"${value:,.2f}" if value >= 0.01 or value == 0 else f"${value:.4f}"
+
+
+FILTERS = {
+    "when": when,
+    "day_minute": day_minute,
+    "size": size,
+    "duration": duration,
+    "rate": rate,
+    "gpu_seconds": gpu_seconds,
+    "usd": usd,
+}

@@ -155,13 +155,15 @@ def _status_filter(status: str | None) -> BatchStatus | None:
         raise InvalidRequest(f"Unknown status '{status}'.", param="status") from None
 
 
-def _batch_rows(db, engine, session: Session, status: str | None, after: str | None) -> dict:
+def _batch_rows(db, engine, session: Session, status: str | None, after: str | None, price: float | None) -> dict:
     # A form sends an unset filter or cursor as an empty string.
     listing = batches.list_batches(
         db=db, owner=session.owner, limit=PAGE_SIZE, after=after or None, status=_status_filter(status)
     )
+    spent = batches.spent_by_id(db=db, batch_ids=[batch.id for batch in listing.data], price=price)
     return {
-        "batches": [present.batch_row(batch, engine.live_stats(batch.id)) for batch in listing.data],
+        "batches": [present.batch_row(batch, engine.live_stats(batch.id), spent[batch.id]) for batch in listing.data],
+        "priced": price is not None,
         "has_more": listing.has_more,
         "last_id": listing.last_id,
         "status": status or "",
@@ -176,20 +178,21 @@ def batches_page(
     session: SessionDep,
     db: DbDep,
     engine: EngineDep,
+    settings: SettingsDep,
     status: str | None = None,
     after: str | None = None,
 ) -> Response:
     """The page, or (`/rows`) the table rows that console.js refreshes."""
-    rows = _batch_rows(db, engine, session, status, after)
+    rows = _batch_rows(db, engine, session, status, after, settings.gpu_hour_price)
     if request.url.path.endswith("/rows"):
         return _page(request, "_batch_rows.html", session, **rows)
     return _page(request, "batches.html", session, statuses=[s.value for s in BatchStatus], **rows)
 
 
-async def _batch_context(batch_id: str, session: Session, db, storage, engine) -> dict:
+async def _batch_context(batch_id: str, session: Session, db, storage, engine, price: float | None) -> dict:
     row, stats, served = await asyncio.to_thread(_batch_and_stats, batch_id, session, db, engine)
     batch = batches.to_wire(row)
-    progress = batches.progress(row, stats, served)
+    progress = batches.progress(row, stats, served, price)
     error_lines = await first_lines(
         db=db, storage=storage, batch_id=batch_id, kind="error", owner=session.owner, count=FIRST_ERROR_LINES
     )
@@ -197,7 +200,7 @@ async def _batch_context(batch_id: str, session: Session, db, storage, engine) -
         "retryable": await retry.retryable_lines(db=db, storage=storage, row=row),
         "batch": batch,
         "progress": progress,
-        "row": present.batch_row(batch, stats),
+        "row": present.batch_row(batch, stats, batches.spent(row, price)),
         "timeline": present.lifecycle(batch),
         "run_stages": present.run_stages(progress.timeline),
         "error_lines": [present.error_line(line) for line in error_lines],
@@ -215,18 +218,24 @@ def _batch_and_stats(batch_id: str, session: Session, db, engine) -> tuple:
 @pages.get("/batches/{batch_id}")
 @pages.get("/batches/{batch_id}/panel")
 async def batch_page(
-    request: Request, batch_id: str, session: SessionDep, db: DbDep, storage: StorageDep, engine: EngineDep
+    request: Request,
+    batch_id: str,
+    session: SessionDep,
+    db: DbDep,
+    storage: StorageDep,
+    engine: EngineDep,
+    settings: SettingsDep,
 ) -> Response:
     """The page, or (`/panel`) the part of it that console.js refreshes."""
-    context = await _batch_context(batch_id, session, db, storage, engine)
+    context = await _batch_context(batch_id, session, db, storage, engine, settings.gpu_hour_price)
     template = "_batch_panel.html" if request.url.path.endswith("/panel") else "batch.html"
     return _page(request, template, session, **context)
 
 
 @pages.get("/batches/{batch_id}/progress.json")
-def batch_progress(batch_id: str, session: SessionDep, db: DbDep, engine: EngineDep) -> Response:
+def batch_progress(batch_id: str, session: SessionDep, db: DbDep, engine: EngineDep, settings: SettingsDep) -> Response:
     row = batches.get(db=db, batch_id=batch_id, owner=session.owner)
-    progress = batches.progress(row, engine.live_stats(row.id), engine.served_models)
+    progress = batches.progress(row, engine.live_stats(row.id), engine.served_models, settings.gpu_hour_price)
     return JSONResponse(progress.model_dump(mode="json"))
 
 

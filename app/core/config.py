@@ -66,8 +66,6 @@ class Settings(BaseSettings):
     max_choices_per_request: int = 128
     batch_file_ttl_seconds: int = 30 * 86400
     output_file_ttl_seconds: int = 30 * 86400
-    # What a GPU-hour costs, in USD (None: no cost is shown): estimates, and what batches cost, are priced with it.
-    gpu_hour_price: float | None = None
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
     # Online requests' time to first token the batch window keeps under (`app.engine.window`): while their recent
@@ -76,6 +74,10 @@ class Settings(BaseSettings):
     # when batch lines really are in the way. 0: the window stays at max_in_flight.
     live_ttft_target_ms: float = 500.0
     progress_log_seconds: float = 5.0
+    # USD per GPU-hour of the engine's devices: with it, an estimate has its cost (`app.domain.estimates`), each
+    # batch's progress has its cost (`app.domain.cost`) and /metrics counts cost beside GPU-seconds. Unset:
+    # GPU-seconds only.
+    gpu_hour_price: float | None = None
     # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
     checkpoint_seconds: float = 0.5
     # A service holds each batch it runs on a lease it renews every second (`app.domain.leases`); a service that
@@ -172,6 +174,13 @@ class Settings(BaseSettings):
     def _a_limit(cls, value: int) -> int:
         if value < 0:
             raise ValueError("a limit a minute is 0 (none) or more")
+        return value
+
+    @field_validator("gpu_hour_price")
+    @classmethod
+    def _a_price(cls, value: float | None) -> float | None:
+        if value is not None and not 0 <= value < float("inf"):
+            raise ValueError("VBATCH_GPU_HOUR_PRICE is USD per GPU-hour: a number, 0 or more")
         return value
 
     @cached_property

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import aliased
@@ -18,6 +18,7 @@ from app.core.db import announce_work, lock_name, session_scope, write_scope
 from app.core.ids import new_id
 from app.core.storage import Storage
 from app.domain import events, files, leases
+from app.domain.cost import Spend, spend
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
 from app.domain.leases import Lease
 from app.domain.lifecycle import ACTIVE, TERMINAL, BatchStatus, InvalidTransition, check_move
@@ -64,6 +65,7 @@ class Progress:
     cached_tokens: int = 0
     output_tokens: int = 0
     reasoning_tokens: int = 0
+    gpu_seconds: float = 0.0
 
 
 def _counts(row: BatchRow) -> RequestCounts:
@@ -277,14 +279,19 @@ def waiting_for(row: BatchRow, served_models: Collection[str]) -> str | None:
     return f"waiting for a worker that serves {row.model!r}"
 
 
-def progress(row: BatchRow, live: RunStats | None, served_models: Collection[str]) -> BatchProgress:
+def progress(
+    row: BatchRow, live: RunStats | None, served_models: Collection[str], price: float | None = None
+) -> BatchProgress:
     """The batch's counts with its live numbers while it runs; once it has ended, the timeline of its last run (its
-    run may still be removing its run files, its numbers not yet dropped); before it runs, what it waits for."""
+    run may still be removing its run files, its numbers not yet dropped); before it runs, what it waits for. With
+    `price` (USD per GPU-hour), what its engine time cost."""
     if row.status in TERMINAL:
         live = None
     timeline = live.timeline if live else (json.loads(row.timeline_json) if row.timeline_json else None)
     series = live.series if live else (json.loads(row.series_json) if row.series_json else [])
     return BatchProgress(
+        **asdict(spent(row, price)),
+        gpu_hour_price=price,
         id=row.id,
         status=BatchStatus(row.status),
         request_counts=_counts(row),
@@ -295,6 +302,19 @@ def progress(row: BatchRow, live: RunStats | None, served_models: Collection[str
         series=series,
         waiting=waiting_for(row, served_models),
     )
+
+
+def spent(row: BatchRow, price: float | None) -> Spend:
+    """What the batch used and cost so far (`app.domain.cost`); its GPU-seconds unknown before it has run."""
+    used = row.gpu_seconds if row.in_progress_at is not None else None
+    return spend(used, input_tokens=row.input_tokens, output_tokens=row.output_tokens, price=price)
+
+
+def spent_by_id(*, db: Engine, batch_ids: Collection[str], price: float | None) -> dict[str, Spend]:
+    """`spent` for each of these batches (the console's list)."""
+    with session_scope(db) as session:
+        rows = session.exec(select(BatchRow).where(col(BatchRow.id).in_(list(batch_ids)))).all()
+        return {row.id: spent(row, price) for row in rows}
 
 
 def list_batches(

@@ -18,6 +18,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from app.core.db import session_scope
+from app.domain.cost import cost_usd
 from app.domain.input_index import PREFIX_CHARS, leading_text, prefix_digest
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
@@ -25,7 +26,6 @@ from app.domain.schemas import BatchErrors, BatchEstimate, EstimateBasis
 
 # The earlier batches an estimate learns from: the most recent ones, so that it follows the engine as it is now.
 HISTORY_BATCHES = 5
-SECONDS_PER_HOUR = 3600
 # The per-line field that bounds its output, by endpoint, in the order vLLM reads them (chat prefers
 # max_completion_tokens), and the bound vLLM applies when a line gives none (None: the context left after the prompt).
 _LIMIT_FIELDS = {
@@ -146,10 +146,6 @@ def gpu_seconds(run_seconds: float, gpus: int) -> float:
     return run_seconds * max(1, gpus)
 
 
-def cost_usd(gpu_seconds: float, gpu_hour_price: float | None) -> float | None:
-    return None if gpu_hour_price is None else gpu_seconds / SECONDS_PER_HOUR * gpu_hour_price
-
-
 @dataclass(frozen=True)
 class Asked:
     input_file_id: str
@@ -212,14 +208,10 @@ def estimate(
         expected_cached_share=None if not prompt or cached is None else round(cached / prompt, 4),
         eta_seconds=None if eta is None else round(eta, 3),
         gpu_seconds=None if gpu is None else round(gpu, 3),
-        cost_usd=None if gpu is None else _cents(cost_usd(gpu, pricing.gpu_hour_price)),
+        cost_usd=None if gpu is None else cost_usd(gpu, pricing.gpu_hour_price),
         gpu_hour_price=pricing.gpu_hour_price,
         basis=_basis(lines, history, asked.endpoint, pricing),
     )
-
-
-def _cents(value: float | None) -> float | None:
-    return None if value is None else round(value, 6)
 
 
 def _basis(lines: Sequence[Line] | None, history: History, endpoint: str, pricing: Pricing) -> EstimateBasis:

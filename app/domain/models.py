@@ -65,6 +65,9 @@ class BatchRow(SQLModel, table=True):
     cached_tokens: int = Field(default=0, sa_type=BigInteger)
     output_tokens: int = Field(default=0, sa_type=BigInteger)
     reasoning_tokens: int = Field(default=0, sa_type=BigInteger)
+    # The engine time its requests used (`app.domain.cost`), as of the last checkpoint: kept with the counts, so a
+    # resumed run goes on from it.
+    gpu_seconds: float = 0.0
 
     # The last checkpoint: how many bytes of the output and error part files are fsynced and counted above.
     # A restart cuts the part files back to these lengths, so counts and files always agree.

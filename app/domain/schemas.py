@@ -125,6 +125,28 @@ class BatchProgress(BaseModel):
     series: list[list[float]] = []
     # Why a batch no worker holds is not running yet (null otherwise): "waiting for a worker that serves 'm'".
     waiting: str | None = None
+    # What the batch used and cost (`app.domain.cost`); only here, never on the batch object or its webhooks.
+    gpu_seconds: float | None = Field(
+        default=None,
+        description="Engine time the batch's requests used, as of its last checkpoint: the seconds the engine had "
+        "requests in flight times its GPUs (tensor x data parallel size), shared with other batches and online "
+        "requests by the tokens each finished (uncached prompt + output). On a CPU build these are engine-seconds. "
+        "Null before the batch runs.",
+    )
+    gpu_hour_price: float | None = Field(
+        default=None, description="USD per GPU-hour the cost is reckoned at (VBATCH_GPU_HOUR_PRICE); null: unpriced."
+    )
+    cost_usd: float | None = Field(default=None, description="gpu_seconds / 3600 x gpu_hour_price, in USD.")
+    cost_per_million_input_tokens: float | None = Field(
+        default=None,
+        description="cost_usd per million of the batch's input tokens (the whole cost over them: with the output "
+        "figure, two views of one cost, not to be added). Null without a price or input tokens.",
+    )
+    cost_per_million_output_tokens: float | None = Field(
+        default=None,
+        description="cost_usd per million of the batch's output tokens (the whole cost over them). Null without a "
+        "price or output tokens.",
+    )
 
 
 class BatchList(BaseModel):

@@ -19,6 +19,7 @@ from app.domain.online import EngineUnavailable
 from app.domain.schemas import BatchErrors, BatchEstimate, CreateBatchRequest
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.found_adapters import adapter_finder
+from app.engine.serving import devices_of
 from app.engine.view import EngineView
 
 # The context vLLM gives a model when the engine does not say (its config always does; a fake may not).
@@ -62,7 +63,7 @@ async def of_checked(
     # The model the batch would run on, as its validation names it (`app.engine.intake`).
     model = report.model or (engine.served_models[0] if engine.served_models else None)
     asked = estimates.Asked(input_file_id=file_id, endpoint=endpoint, model=model)
-    pricing = estimates.Pricing(gpus=_gpus(engine.engine_config), gpu_hour_price=settings.gpu_hour_price)
+    pricing = estimates.Pricing(gpus=devices_of(engine.engine_config), gpu_hour_price=settings.gpu_hour_price)
     if not report.ok:
         return estimates.refused(asked, report.total, BatchErrors(data=report.errors), pricing)
     bodies = await asyncio.to_thread(_bodies, report, path)
@@ -87,12 +88,3 @@ def _bodies(report: Report, path: Path) -> list[dict]:
 def _lines(endpoint: str, bodies: list[dict], counts: list[int | None], context: int) -> list[estimates.Line]:
     """A line the tokenizer could not count (its handler would refuse it) counts no prompt tokens."""
     return [estimates.line_of(endpoint, body, count or 0, context) for body, count in zip(bodies, counts, strict=True)]
-
-
-def _gpus(engine_config: dict[str, object]) -> int:
-    """GPUs the engine holds: a model's copy on `tensor_parallel_size` of them, `data_parallel_size` copies."""
-    sizes = [engine_config.get("tensor_parallel_size"), engine_config.get("data_parallel_size")]
-    gpus = 1
-    for size in sizes:
-        gpus *= size if isinstance(size, int) and size > 0 else 1
-    return gpus

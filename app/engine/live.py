@@ -16,6 +16,7 @@ from typing import Literal
 
 from app.domain.results import Body
 from app.engine.execution import Executor
+from app.engine.metrics import EngineTime
 from app.engine.serving import EngineDead, Serving, Stream
 
 log = logging.getLogger("vbatch.engine")
@@ -39,6 +40,8 @@ class LiveEngine:
         self._shared_in_flight = 0
         self._drained = asyncio.Event()
         self._drained.set()
+        # Who used the engine's time: it hears of every request that enters and leaves the engine.
+        self.engine_time = EngineTime()
 
     async def start(self) -> Serving:
         self._serving = await self._start()
@@ -60,7 +63,11 @@ class LiveEngine:
     async def _call(self, endpoint: str, body: dict, rank: int | None) -> tuple[int, Body]:
         if self._serving is None or self.state != "ok":
             raise EngineDead("the engine is not running")
-        return await self._serving.execute(endpoint, body, rank)
+        self.engine_time.started()
+        try:
+            return await self._serving.execute(endpoint, body, rank)
+        finally:
+            self.engine_time.ended()
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
         """An online request (`app.domain.online`): beside the batch lines, and never held back by isolated work,

@@ -12,6 +12,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -20,6 +21,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
+from app.domain.cost import SECONDS_AN_HOUR, apportion
 from app.domain.results import Outcome
 
 # The label of every series about one batch: a tenant sees its own batches' series, and no other's id.
@@ -30,6 +32,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 class Metrics:
     # The batch window's series, once an engine serves here (`watch_window`).
     _window: _BatchWindow | None = None
+    # The engine's time by key and model (`EngineTime`), once an engine serves here: online requests
+    # tell it their tokens.
+    engine_time: EngineTime | None = None
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -99,6 +104,14 @@ class Metrics:
         self._window.numbers = numbers
         self._window.preemptions = preemptions
         self._window.withdrawn = withdrawn
+
+    def count_engine_time(self, engine_time: EngineTime) -> None:
+        """The `vbatch_*_gpu_seconds` and `vbatch_*_cost_usd` series, from the engine service's `engine_time`."""
+        if self.engine_time is not engine_time:
+            if self.engine_time is not None:
+                self.registry.unregister(self.engine_time)
+            self.engine_time = engine_time
+            self.registry.register(engine_time)
 
     def exposition(self, engine_text: bytes, *, shown: Callable[[set[str]], set[str]], key: str | None = None) -> bytes:
         """The engine's series, then vbatch's; of those about one batch (a `batch_id` label) only the ones whose id
@@ -320,3 +333,117 @@ class OnlineRates:
         since = self._clock() - ONLINE_RATE_SECONDS
         while self._ended and self._ended[0][0] < since:
             self._ended.popleft()
+
+
+# Who used the engine's time (`app.domain.cost`): the live engine says when requests enter and leave it, batch runs
+# and online requests say the tokens each finished request used, and whoever reads (a batch's checkpoint, a scrape)
+# settles the time since the last settling between those tokens.
+#
+# Busy time is charged when tokens come to pay it: a request's tokens are known only when it finishes, so the time
+# of requests still in flight waits for them (and time spent on requests that end with no tokens, aborted or
+# withdrawn, goes to the next that finish). Time with nothing in flight is never counted. On a CPU build there is no
+# GPU: the engine counts as its device count all the same, so `gpu_seconds` are then engine-seconds.
+
+BATCH = "batch"
+LIVE = "live"  # online requests, as the `vbatch_live_*` series name them
+
+
+@dataclass(frozen=True)
+class Payer:
+    """Whose tokens: a batch (`batch_id`) or online requests (`LIVE`), of one key (its label) and model."""
+
+    kind: str
+    key: str
+    model: str
+    batch_id: str | None = None
+
+
+class EngineTime(Collector):
+    """Any thread. `devices`: the engine's GPUs (tensor x data parallel); `price`: USD per GPU-hour, or None."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.devices = 1
+        self.price: float | None = None
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._in_flight = 0
+        self._busy_since: float | None = None  # while something is in flight: since when, or the last settling
+        self._unpaid = 0.0  # busy seconds no tokens have paid for yet
+        self._tokens: dict[Payer, int] = {}  # of requests finished since the last settling
+        self._owed: dict[str, float] = {}  # each batch's GPU-seconds its run has not taken yet
+        self._totals: dict[tuple[str, str, str], float] = {}  # (kind, key, model): GPU-seconds since start
+
+    def started(self) -> None:
+        """A request entered the engine."""
+        with self._lock:
+            if self._in_flight == 0:
+                self._busy_since = self._clock()
+            self._in_flight += 1
+
+    def ended(self) -> None:
+        """A request left the engine (answered, failed or aborted)."""
+        with self._lock:
+            self._in_flight -= 1
+            if self._in_flight == 0 and self._busy_since is not None:
+                self._unpaid += self._clock() - self._busy_since
+                self._busy_since = None
+
+    def used(self, payer: Payer, tokens: int) -> None:
+        """A finished request's tokens (`app.domain.cost.weighed_tokens`)."""
+        if tokens > 0:
+            with self._lock:
+                self._tokens[payer] = self._tokens.get(payer, 0) + tokens
+
+    def take(self, batch_id: str) -> float:
+        """The batch's GPU-seconds since its last take, settled up to now."""
+        with self._lock:
+            self._settle()
+            return self._owed.pop(batch_id, 0.0)
+
+    def totals(self) -> dict[tuple[str, str, str], float]:
+        """GPU-seconds by (kind, key, model) since this service started, settled up to now."""
+        with self._lock:
+            self._settle()
+            return dict(self._totals)
+
+    def _settle(self) -> None:
+        if self._busy_since is not None:
+            now = self._clock()
+            self._unpaid += now - self._busy_since
+            self._busy_since = now
+        shares = apportion(self._unpaid * self.devices, self._tokens)
+        if not shares:
+            return
+        self._unpaid, self._tokens = 0.0, {}
+        for payer, seconds in shares.items():
+            label = (payer.kind, payer.key, payer.model)
+            self._totals[label] = self._totals.get(label, 0.0) + seconds
+            if payer.batch_id is not None:
+                self._owed[payer.batch_id] = self._owed.get(payer.batch_id, 0.0) + seconds
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        totals = self.totals()
+        price = self.price
+        for kind, whose in ((BATCH, "batch lines"), (LIVE, "online requests")):
+            seconds = CounterMetricFamily(
+                f"vbatch_{kind}_gpu_seconds",
+                f"Engine time {whose} used, in GPU-seconds (busy time x the engine's GPUs, shared by tokens; "
+                "engine-seconds on a CPU build), by key and model.",
+                labels=[KEY_LABEL, "model"],
+            )
+            cost = CounterMetricFamily(
+                f"vbatch_{kind}_cost_usd",
+                f"What {whose} cost at VBATCH_GPU_HOUR_PRICE, in USD, by key and model.",
+                labels=[KEY_LABEL, "model"],
+            )
+            for (of, key, model), used in sorted(totals.items()):
+                if of == kind:
+                    seconds.add_metric([key, model], used)
+                    if price is not None:
+                        cost.add_metric([key, model], used / SECONDS_AN_HOUR * price)
+            yield seconds
+            if price is not None:
+                yield cost

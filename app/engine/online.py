@@ -232,6 +232,7 @@ class OnlineRequests:
         window = self._window()
         if window is not None:
             window.online_arrived()
+        self._live.engine_time.started()
         try:
             answer = await self._live.respond(endpoint, body)
             if isinstance(answer, tuple):
@@ -241,6 +242,7 @@ class OnlineRequests:
             handoff.send(_STREAMING)
             await _pump(answer, handoff, window, started)
         finally:
+            self._live.engine_time.ended()
             if window is not None:
                 window.online_done()
 

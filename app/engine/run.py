@@ -88,6 +88,8 @@ class Run:
         own = (sink.output.path, sink.errors.path)
         sink.ship = await self.storage.begin_parts(previous, (row.output_bytes_done, row.error_bytes_done), own)
         await sink.open(output_bytes=row.output_bytes_done, error_bytes=row.error_bytes_done, position_of=position_of)
+        # The files hold the counts; the engine time is the checkpoint's alone.
+        sink.progress.gpu_seconds = row.gpu_seconds
 
     async def sink_at_checkpoint(self, checkpoint: BatchRow) -> ResultSink:
         """The run's parts, begun from `checkpoint`'s, cut back to it and open again, their lines counted."""

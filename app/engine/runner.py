@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from app.core import clock, failpoints
 from app.core.disk import is_disk_full
 from app.domain import batches, leases
+from app.domain.cost import weighed_tokens
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
 from app.domain.lifecycle import BatchStatus
@@ -40,6 +41,7 @@ from app.engine.execution import FixedSlots, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
+from app.engine.metrics import BATCH, Payer, key_label
 from app.engine.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
 from app.engine.parts import Checkpoint
 from app.engine.run import Run
@@ -102,6 +104,7 @@ class BatchRun:
         self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.live.generated_tokens)
         self.last_log = time.monotonic()
         self._engine_body = as_batch_line if ctx.batch_priority else None
+        self.payer = Payer(BATCH, key_label(self.row.owner), self.row.model or "", self.row.id)
 
     def stats(self) -> RunStats | None:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
@@ -142,8 +145,13 @@ class BatchRun:
         self.ctx.storage.check_room()
         if self.sink.ship is not None:  # segments are written before their commit: not by a run that lost its lease
             leases.check(await self.run.stored(), self.run.lease)
+        self._charge()
         with self.ctx.metrics.checkpoint_seconds.time():
             await self.sink.checkpoint(self._save)
+
+    def _charge(self) -> None:
+        """The engine time the batch's lines used since the last charge, into its counts."""
+        self.sink.progress.gpu_seconds += self.ctx.live.engine_time.take(self.row.id)
 
     def _save(self, checkpoint: Checkpoint) -> None:
         batches.save_checkpoint(
@@ -312,6 +320,7 @@ class BatchRun:
 
     def _record(self, position: int, outcome: Outcome) -> None:
         self.sink.record(position, outcome)
+        self.ctx.live.engine_time.used(self.payer, weighed_tokens(outcome.usage))
         self.meter.result()
 
     async def _tick(self, stop: asyncio.Future) -> None:
@@ -361,6 +370,7 @@ class BatchRun:
     async def _finish(self, status: BatchStatus) -> None:
         self.meter.mark("published")
         self.meter.sample(self.sink.progress, last=True)
+        self._charge()
         with self.ctx.metrics.publish_seconds.time():
             await end_with_results(
                 self.run, self.sink, status, timeline=self.meter.timeline, series=self.meter.series()

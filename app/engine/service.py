@@ -39,7 +39,15 @@ from app.engine.metrics import Metrics
 from app.engine.online import OnlineRequests
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
-from app.engine.serving import EngineDead, EngineFactory, Serving, engine_wave, max_loras, schedules_by_priority
+from app.engine.serving import (
+    EngineDead,
+    EngineFactory,
+    Serving,
+    engine_devices,
+    engine_wave,
+    max_loras,
+    schedules_by_priority,
+)
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
@@ -197,6 +205,8 @@ class EngineService:
         self._holder.hold_at_most = hold_at_most
         self.url = self.url or settings.advertised_url
         self.metrics = metrics or Metrics()
+        self.live.engine_time.price = settings.gpu_hour_price
+        self.metrics.count_engine_time(self.live.engine_time)
         self._bridge.start(self._lifetime(db, storage, settings))
 
     def request_stop(self) -> None:
@@ -244,6 +254,7 @@ class EngineService:
     def _context(self, serving: Serving, db: Engine, storage: Storage, settings: Settings) -> Context:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         wave = engine_wave(serving)
+        self.live.engine_time.devices = engine_devices(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
         window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=settings.live_ttft_target_ms / 1000)
         self.metrics.watch_window(lambda: window.numbers, self.live.preemptions, lambda: window.withdrawn)

@@ -105,6 +105,20 @@ def engine_wave(serving: Serving) -> int:
     return serving.max_num_seqs * max(1, serving.data_parallel_size)
 
 
+def engine_devices(serving: Serving) -> int:
+    return devices_of(serving.engine_config)
+
+
+def devices_of(engine_config: dict[str, object]) -> int:
+    """The GPUs one engine runs on: a model's copy on `tensor_parallel_size` of them, `data_parallel_size` copies
+    (1 where its config does not say)."""
+    devices = 1
+    for name in ("tensor_parallel_size", "data_parallel_size"):
+        size = engine_config.get(name)
+        devices *= size if isinstance(size, int) and size > 0 else 1
+    return devices
+
+
 # Each call starts a new engine; leaving the context stops it.
 EngineFactory = Callable[[], AbstractAsyncContextManager[Serving]]
 

@@ -237,3 +237,28 @@ def test_two_keys_see_only_their_own_batches_and_a_forged_form_is_refused(keyed_
         assert client.get(f"/v1/batches/{mine}").json()["status"] != "cancelling"
     for page in pages.values():
         page.context.close()
+
+
+@pytest.fixture(scope="module")
+def priced_server(tmp_path_factory) -> Iterator[VbatchServer]:
+    """A GPU-hour price, and a fake engine slow enough that a batch's engine time shows."""
+    env = {"VBATCH_GPU_HOUR_PRICE": "3.6", "VBATCH_FAKE_SECONDS_PER_ANSWER": "0.2"}
+    server = start(tmp_path_factory.mktemp("console-priced"), env)
+    yield server
+    server.stop()
+
+
+def test_a_finished_batch_shows_its_gpu_time_and_cost_on_its_page_and_in_the_list(priced_server, page):
+    batch_id = api_batch(priced_server, [request_line(f"p{i}") for i in range(4)])
+    page.goto(f"{priced_server.base_url}/console/batches/{batch_id}")
+    expect(page.locator("#batch-status")).to_have_text("completed", timeout=WAIT_MS)
+    expect(page.locator("#batch-gpu-seconds")).to_contain_text(re.compile(r"[0-9.,]+ GPU-s"))
+    expect(page.locator("#batch-cost")).to_contain_text(re.compile(r"\$0\.\d+ at \$3\.60/GPU-hour"))
+    with api(priced_server) as client:
+        progress = client.get(f"/v1/batches/{batch_id}/progress").json()
+    assert progress["gpu_seconds"] > 0 and progress["cost_usd"] > 0
+    page.goto(f"{priced_server.base_url}/console/batches")
+    expect(page.get_by_role("columnheader", name="GPU time, cost")).to_be_visible()
+    row = page.locator(f'tr[data-batch="{batch_id}"] td.cost')
+    expect(row).to_contain_text("GPU-s")
+    expect(row).to_contain_text("$0.")

@@ -18,6 +18,8 @@ MODEL = default_model.NAME
 STARTUP_SECONDS = 900
 # Short enough to expire a batch mid-run in a test, alongside OpenAI's 24h.
 TEST_WINDOW = "20s"
+# USD per GPU-hour (VBATCH_GPU_HOUR_PRICE); on the CPU build the engine counts as one device.
+GPU_HOUR_PRICE = 2.0
 # The shared server runs with keys, as it would on a network; two, to show tenants apart.
 KEYS = (f"sk-e2e-a-{secrets.token_hex(8)}", f"sk-e2e-b-{secrets.token_hex(8)}")
 
@@ -49,6 +51,8 @@ def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
         "VBATCH_API_KEYS": ",".join(KEYS),
         # Inert until a test creates the hold file (tests.e2e.helpers.holding).
         "VBATCH_FAILPOINT": "hold_after:4",
+        # A price, so that every batch's progress has its cost (tests/e2e/test_cost.py); it changes nothing else.
+        "VBATCH_GPU_HOUR_PRICE": str(GPU_HOUR_PRICE),
     }
     running = VbatchServer(base / "data", free_port(), engine_flags(model_path), base / "serve.log", env=env)
     running.log_path = base / "serve.log"
