@@ -21,16 +21,17 @@ TOPICS = ["billing", "login", "latency", "data export", "permissions"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def ticket_prompts(count: int) -> list[str]:
+def ticket_prompts(count: int, first: int = 0) -> list[str]:
     return [
         f"A customer reports a problem with {TOPICS[i % len(TOPICS)]}. What is the most likely cause? (ticket {i})"
-        for i in range(count)
+        for i in range(first, first + count)
     ]
 
 
-def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict) -> None:
+def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict, first: int = 0) -> None:
+    """`first`: the number of the first ticket, so that files of one run share no prompt."""
     with path.open("w") as out:
-        for i, prompt in enumerate(ticket_prompts(count)):
+        for i, prompt in enumerate(ticket_prompts(count, first), start=first):
             messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
             body = {"model": model, "messages": messages, **sampling}
             out.write(json.dumps({"custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
