@@ -4,7 +4,6 @@ worker the least busy; a worker killed mid-stream ends the client's stream with 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -16,13 +15,9 @@ import openai
 import pytest
 from openai import OpenAI
 
-from app.testing import FakeExecutor, VbatchServer, free_port
+from app.testing import VbatchServer, free_port
 from tests.helpers import wait_for
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("app.api.online") is None or not hasattr(FakeExecutor, "stream"),
-    reason="needs the online routes (app/api/online.py) and the fake engine's streams (issue 29's other branches)",
-)
 HI = [{"role": "user", "content": "hi"}]
 
 

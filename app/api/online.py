@@ -12,27 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
-from email.message import Message
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.requests import ClientDisconnect
-from starlette.types import Receive, Scope, Send
+from fastapi.responses import JSONResponse, Response
 
+from app.api.bodies import ClientGone, json_object
 from app.api.deps import OwnerDep
-from app.api.errors import (
-    APIError,
-    engine_validation_error,
-    from_domain,
-    log_unexpected,
-    request_too_large,
-    respond,
-    stream_error_event,
-)
+from app.api.errors import APIError, from_domain, respond
+from app.api.streams import EventStream, MeasuredEvents, unless_client_leaves
 from app.core.errors import DomainError
 from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.cost import weighed_tokens
@@ -51,26 +41,18 @@ from app.domain.ratelimits import (
 from app.engine.metrics import LIVE, EngineTime, OnlineMetrics, Payer, key_label
 from app.engine.view import EngineView
 
-log = logging.getLogger("vbatch.api")
-
 router = APIRouter(tags=["online"])
 
 # The label of a request whose body names no model served here (refused, or left to the engine to refuse).
 UNKNOWN_MODEL = "unknown"
 # The access log's status for a request whose client left before its answer (nginx's word for it).
 CLIENT_GONE = 499
-# What marks a streamed event that carries output, by endpoint: vLLM writes one such event a token by default.
-_OUTPUT_MARKS = {"/v1/chat/completions": b'"delta"', "/v1/completions": b'"text"', "/v1/responses": b'.delta"'}
 _OPERATIONS = {
     "/v1/chat/completions": ("create_chat_completion", "A chat completion, as vLLM's /v1/chat/completions."),
     "/v1/completions": ("create_completion", "A completion, as vLLM's /v1/completions."),
     "/v1/embeddings": ("create_embedding", "Embeddings, as vLLM's /v1/embeddings (an engine that embeds)."),
     "/v1/responses": ("create_response", "A response, as vLLM's /v1/responses."),
 }
-
-
-class _ClientGone(Exception):
-    pass
 
 
 class OnlineCall:
@@ -106,7 +88,7 @@ class OnlineCall:
             answer = await unless_client_leaves(self.engine.respond(self.endpoint, body), self.request)
         except (APIError, DomainError) as exc:
             return self._refused(exc)
-        except _ClientGone:
+        except ClientGone:
             answer = None
         if answer is None:
             self.metrics.answered(key=self.key, model=self.model, endpoint=self.endpoint, status=CLIENT_GONE)
@@ -171,86 +153,6 @@ def _served_models(engine: EngineView, model: object, found_adapters: LoraDir | 
     return [*served, model] if found_adapters.has(model) else served
 
 
-class MeasuredEvents:
-    """The engine's events as they pass to the client, timed: the first that carries output is the first token,
-    the time between two such is an inter-token latency. Closing it closes the engine's events (the engine aborts
-    the request); an engine that fails mid-stream ends it with vLLM's error event, never a cut."""
-
-    def __init__(self, events: AsyncIterator[bytes], call: OnlineCall) -> None:
-        self._events = events
-        self._call = call
-        self._mark = _OUTPUT_MARKS.get(call.endpoint, b'"delta"')
-        self._last_output: float | None = None
-        self._outputs = 0
-        self._usage: dict | None = None
-        self._tail: list[bytes] = []
-        self._closed = False
-
-    def __aiter__(self) -> MeasuredEvents:
-        return self
-
-    async def __anext__(self) -> bytes:
-        if self._tail:
-            return self._tail.pop(0)
-        if self._closed:
-            raise StopAsyncIteration
-        try:
-            event = await anext(self._events)
-        except StopAsyncIteration:
-            await self.aclose()
-            raise
-        except Exception as exc:
-            log_unexpected("POST", self._call.endpoint, exc)
-            await self.aclose()
-            self._tail = [stream_error_event(), b"data: [DONE]\n\n"]
-            return self._tail.pop(0)
-        self._seen(event)
-        return event
-
-    def _seen(self, event: bytes) -> None:
-        metrics, call = self._call.metrics, self._call
-        if self._mark in event:
-            now = time.perf_counter()
-            if self._last_output is None:
-                metrics.time_to_first_token.labels(call.key, call.model).observe(now - call.started)
-            else:
-                metrics.inter_token_latency.labels(call.key, call.model).observe(now - self._last_output)
-            self._last_output = now
-            self._outputs += 1
-        if b'"usage"' in event and (b'"completion_tokens"' in event or b'"output_tokens"' in event):
-            self._usage = streamed_usage(event) or self._usage
-
-    async def aclose(self) -> None:
-        """Idempotent; the stream's end (last event sent, client gone or failed) is measured once, here."""
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            close = getattr(self._events, "aclose", None)
-            if close is not None:
-                await close()
-        finally:
-            used = used_tokens(self._usage)
-            if used is not None:
-                self._call.settle(used)
-            self._call.ended(output_tokens(self._usage) or self._outputs, self._usage)
-
-
-class EventStream(StreamingResponse):
-    """`text/event-stream`, as `vllm serve` sends a stream; its events are closed however the response ends (the
-    client gone mid-stream, or before the first byte), so the engine aborts what nobody reads any more."""
-
-    def __init__(self, events: MeasuredEvents, *, status_code: int, headers: dict[str, str]) -> None:
-        super().__init__(events, status_code=status_code, headers=headers, media_type="text/event-stream")
-        self.events = events
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.events.aclose()
-
-
 class EngineJSON(JSONResponse):
     """The engine's JSON answer; one that echoes a lone surrogate or a NaN from its request still goes out, escaped,
     where Starlette's rendering would fail (a 500 for what was bad input)."""
@@ -260,130 +162,6 @@ class EngineJSON(JSONResponse):
             return super().render(content)
         except ValueError:  # UnicodeEncodeError is one
             return json.dumps(content, ensure_ascii=True, allow_nan=True, separators=(",", ":")).encode()
-
-
-async def json_object(request: Request, most_bytes: int) -> dict:
-    """The body as a JSON object, or vLLM's 400 for what its request models would refuse (FastAPI's rules: JSON
-    only under a JSON content type); 413 past `most_bytes`."""
-    raw = await _body(request, most_bytes)
-    if not _json_content_type(request.headers.get("content-type")):
-        raise _not_an_object(f"<bytes of {len(raw)} bytes>")
-    try:
-        body = json.loads(raw) if raw else None
-    except json.JSONDecodeError as exc:
-        raise _invalid_json(exc.pos, exc.msg) from None
-    except (ValueError, RecursionError):  # not UTF-8, an integer of too many digits, nesting too deep
-        raise _invalid_json(0, "Expecting value") from None
-    if body is None:
-        raise engine_validation_error({"type": "missing", "loc": "body", "msg": "Field required", "input": "None"})
-    if not isinstance(body, dict):
-        raise _not_an_object(_summary(body))
-    return body
-
-
-async def _body(request: Request, most_bytes: int) -> bytes:
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > most_bytes:
-        raise request_too_large(most_bytes)
-    chunks, size = [], 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > most_bytes:
-                raise request_too_large(most_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise _ClientGone from None
-    return b"".join(chunks)
-
-
-def _json_content_type(value: str | None) -> bool:
-    if not value:
-        return False
-    message = Message()
-    message["content-type"] = value
-    subtype = message.get_content_subtype()
-    return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
-
-
-def _invalid_json(position: int, reason: str) -> APIError:
-    return engine_validation_error(
-        {
-            "type": "json_invalid",
-            "loc": f"body.{position}",
-            "msg": "JSON decode error",
-            "input": "<dict of 0 items>",
-            "ctx": {"error": reason},
-        }
-    )
-
-
-def _not_an_object(shown: str) -> APIError:
-    return engine_validation_error(
-        {
-            "type": "model_attributes_type",
-            "loc": "body",
-            "msg": "Input should be a valid dictionary or object to extract fields from",
-            "input": shown,
-        }
-    )
-
-
-def _summary(value: object) -> str:
-    """A value as vLLM's validation error shows it: containers by size, text cut at 200 characters."""
-    if isinstance(value, list):
-        return f"<list of {len(value)} items>"
-    text = value if isinstance(value, str) else str(value)
-    return text[:200] + "...[truncated]" if len(text) > 200 else text
-
-
-async def unless_client_leaves(call: Awaitable[OnlineAnswer], request: Request) -> OnlineAnswer | None:
-    """The call's answer, or None once the client has gone, the call cancelled (the engine aborts the request), as
-    vLLM's `with_cancellation` races a handler with its client's disconnect."""
-    answer = asyncio.ensure_future(call)
-    gone = asyncio.ensure_future(_client_gone(request.receive))
-    try:
-        await asyncio.wait({answer, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-        answer.cancel()  # nothing once it is done
-    await asyncio.gather(answer, gone, return_exceptions=True)
-    if answer.cancelled():
-        return None
-    result = answer.result()  # or the call's own error, raised
-    if result.events is not None and gone.done() and not gone.cancelled():
-        await _close(result.events)  # a stream that began as its client left
-        return None
-    return result
-
-
-async def _client_gone(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _close(events: AsyncIterator[bytes]) -> None:
-    close = getattr(events, "aclose", None)
-    if close is not None:
-        await close()
-
-
-def streamed_usage(event: bytes) -> dict | None:
-    """The `usage` a streamed event carries (chat and completions with `stream_options.include_usage`; responses in
-    its `response.completed` event), or None."""
-    for line in event.split(b"\n"):
-        if not line.startswith(b"data: ") or line == b"data: [DONE]":
-            continue
-        try:
-            data = json.loads(line[len(b"data: ") :])
-        except (ValueError, RecursionError):
-            continue
-        if isinstance(data, dict):
-            response = data.get("response")
-            usage = data.get("usage") or (response.get("usage") if isinstance(response, dict) else None)
-            if isinstance(usage, dict):
-                return usage
-    return None
 
 
 def limit_headers(quota: Quota) -> dict[str, str]:
