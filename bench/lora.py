@@ -28,7 +28,7 @@ from pathlib import Path
 
 from app.testing import write_lora_adapter
 from bench import compare
-from bench.common import SYSTEM, SideResults, VbatchServer, run_batch_through_sdk, run_logged, warm_up
+from bench.common import SYSTEM, SideResults, VbatchServer, leave_now, run_batch_through_sdk, run_logged, warm_up
 
 SERVED = compare.SERVED
 SAMPLING = compare.SAMPLING
@@ -153,6 +153,7 @@ def run_llm_chat_side(args: argparse.Namespace) -> None:
     rates = {"output_tokens": tokens, "output_tokens_per_s": round(tokens / seconds, 1)}
     print(json.dumps({"side": "llm_chat_file_order", "prompts": len(bodies), "seconds": round(seconds, 2), **rates}),
           flush=True)  # fmt: skip
+    leave_now()
 
 
 def goals(sides: dict) -> list[str]:
