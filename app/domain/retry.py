@@ -213,7 +213,10 @@ async def planned(*, db: Engine, storage: Storage, row: BatchRow) -> tuple[Sourc
 
 
 async def retryable_lines(*, db: Engine, storage: Storage, row: BatchRow) -> int:
-    """How many lines a retry of `row` would run now (0 when it cannot be retried): the console's Retry button."""
+    """How many lines a retry of `row` would run now (0 when it cannot be retried): the console's Retry button. A
+    batch whose every line succeeded is told from its counts, without reading its files."""
+    if row.status == BatchStatus.COMPLETED and row.failed == 0 and row.completed == row.total:
+        return 0
     try:
         _, chosen = await planned(db=db, storage=storage, row=row)
     except (InvalidRequest, NotEnded):
