@@ -25,6 +25,7 @@ from app.core.config import Settings
 from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.adapters import Adapter, AdapterFinder, AdapterProblem
 from app.domain.validation import Limits, validate_file
+from app.engine.found_adapters import RECHECK_SECONDS, ClaimableAdapters
 from app.engine.service import EngineService
 from app.testing import FAKE_MODEL, FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -108,7 +109,7 @@ def test_a_good_adapter_runs_its_lines_and_is_listed_with_its_base_model_after(
     assert {a.name for a in engine_service.worker_state().adapters} == {"tuned", "tuned-by-hub-id"}
 
 
-def test_an_online_request_may_name_an_adapter_no_batch_used_and_an_unknown_name_is_404(
+def test_an_online_request_may_name_an_adapter_no_batch_used_is_listed_after_and_an_unknown_name_is_404(
     client: TestClient, fake_engine: FakeEngine
 ):
     wait_for(lambda: client.get("/health").status_code == 200)
@@ -116,6 +117,10 @@ def test_an_online_request_may_name_an_adapter_no_batch_used_and_an_unknown_name
     answered = client.post("/v1/chat/completions", json=body)
     assert answered.status_code == 200, answered.text
     assert answered.json()["model"] == "tuned" == fake_engine.executor.bodies[-1]["model"]
+    # listed from now on, as `vllm serve` lists an adapter its resolver loaded, and announced by the worker
+    assert client.get("/v1/models/tuned").json()["parent"] == FAKE_MODEL
+    assert "tuned" in {card["id"] for card in client.get("/v1/models").json()["data"]}
+    assert "tuned-by-hub-id" not in {card["id"] for card in client.get("/v1/models").json()["data"]}
     for unknown in ("nowhere", "../adapters/tuned", "not-a-folder"):
         refused = client.post("/v1/chat/completions", json={**body, "model": unknown})
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", unknown
@@ -127,6 +132,29 @@ def test_an_online_request_may_name_an_adapter_no_batch_used_and_an_unknown_name
 def finder(root: Path, **fields: Any) -> AdapterFinder:
     source = LoraDir(url=str(root), cache=root / "unused")
     return AdapterFinder(folder_of=source.folder, base=FAKE_MODEL, **fields)
+
+
+def test_a_worker_claims_for_the_adapters_of_its_base_and_looks_again_at_other_names_only_later(adapters: Path):
+    looked: list[str] = []
+    found = finder(adapters, max_rank=MAX_RANK)
+
+    def counting(name: str) -> Adapter | AdapterProblem | None:
+        looked.append(name)
+        if name == "flaky":
+            raise OSError("the object store did not answer")
+        return found(name)
+
+    now = [0.0]
+    claimable = ClaimableAdapters(lambda: counting, clock=lambda: now[0])  # type: ignore[arg-type]
+    names = ["tuned", "of-another-base", "too-wide", "nowhere", "flaky"]
+    assert claimable.among(names) == ["tuned"]
+    assert claimable.among(names) == ["tuned"]
+    assert sorted(looked) == sorted(names)  # each looked up once: found stays found, the rest wait
+    now[0] += RECHECK_SECONDS + 1
+    write_adapter(adapters / "nowhere")  # added since
+    assert claimable.among(names) == ["tuned", "nowhere"]
+    assert sorted(looked) == sorted(names + names[1:])
+    assert ClaimableAdapters(lambda: None).among(names) == []  # no engine yet
 
 
 def test_the_base_model_matches_by_served_name_path_or_final_component(adapters: Path):

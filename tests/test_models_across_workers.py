@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import pytest
 from fastapi.testclient import TestClient
 
 from app.core import clock
+from app.core.config import Settings
 from app.core.db import make_engine, session_scope
 from app.domain import batches, leases
 from app.domain.lifecycle import BatchStatus
@@ -24,6 +25,7 @@ from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+from tests.test_lora_dir import write_adapter
 
 pytestmark = pytest.mark.both_backends
 
@@ -90,9 +92,8 @@ class Cluster:
     engines: dict[str, FakeEngine]
 
 
-@pytest.fixture
-def cluster(settings) -> Iterator[Cluster]:
-    """A worker serving `model-a` (and its adapter `a-lora`), one serving `model-b`, and an API replica."""
+@contextmanager
+def running_cluster(settings: Settings) -> Iterator[Cluster]:
     engines = {"model-a": FakeEngine(model="model-a", adapters=["a-lora"]), "model-b": FakeEngine(model="model-b")}
     services = {model: EngineService(engine, models=[model]) for model, engine in engines.items()}
     with ExitStack() as stack:
@@ -101,6 +102,13 @@ def cluster(settings) -> Iterator[Cluster]:
         api = stack.enter_context(TestClient(create_app(settings, WorkersView(), Role.API)))
         wait_for(lambda: {card["id"] for card in api.get("/v1/models").json()["data"]} >= {"model-a", "model-b"})
         yield Cluster(api, services, engines)
+
+
+@pytest.fixture
+def cluster(settings) -> Iterator[Cluster]:
+    """A worker serving `model-a` (and its adapter `a-lora`), one serving `model-b`, and an API replica."""
+    with running_cluster(settings) as running:
+        yield running
 
 
 def submit(client: TestClient, model: str, lines: int = 3, **create) -> dict:
@@ -160,3 +168,22 @@ def test_the_api_lists_every_model_and_adapter_the_live_workers_serve(cluster):
     assert (cards["a-lora"]["parent"], cards["a-lora"]["root"]) == ("model-a", "/adapters/a-lora")
     assert "parent" not in cards["model-b"]
     assert cluster.api.get("/v1/models/model-b").status_code == 200
+
+
+def test_a_batch_for_an_adapter_of_the_lora_dir_is_claimed_by_the_worker_of_its_base_before_any_announces_it(
+    settings, tmp_path
+):
+    lora_dir = tmp_path / "lora-dir"
+    write_adapter(lora_dir / "found-a", base="/models/model-a")
+    with running_cluster(settings.model_copy(update={"lora_dir": str(lora_dir)})) as cluster:
+        assert "found-a" not in {card["id"] for card in cluster.api.get("/v1/models").json()["data"]}
+        batch = submit(cluster.api, "found-a")
+        assert batch["model"] == "found-a"
+        done = wait_status(cluster.api, batch["id"], {"completed", "failed", "expired"})
+        assert done["status"] == "completed", done["errors"]
+        asked = {model: [body["model"] for body in engine.executor.bodies] for model, engine in cluster.engines.items()}
+        assert asked == {"model-a": ["found-a"] * 3, "model-b": []}
+        # listed once the worker's next beat announces it
+        wait_for(lambda: cluster.api.get("/v1/models/found-a").status_code == 200)
+        card = cluster.api.get("/v1/models/found-a").json()
+        assert (card["parent"], card["root"]) == ("model-a", str(lora_dir / "found-a"))

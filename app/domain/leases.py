@@ -26,7 +26,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from app.core import clock
-from app.core.db import write_scope
+from app.core.db import session_scope, write_scope
 from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.models import BatchRow
 
@@ -73,6 +73,21 @@ def claim(
             leases.append(Lease(row.id, holder, row.lease_token))
         session.commit()
     return leases
+
+
+def unheld_models(*, db: Engine, limit: int = 100) -> list[str]:
+    """The models named by active batches no one holds: those a worker may look up among the adapters it could
+    load (`app.engine.holder`)."""
+    now = clock.now_ns()
+    with session_scope(db) as session:
+        statement = (
+            select(col(BatchRow.model))
+            .where(col(BatchRow.status).in_(ACTIVE), col(BatchRow.model).is_not(None))
+            .where(or_(col(BatchRow.lease_holder).is_(None), col(BatchRow.lease_expires_ns) < now))
+            .distinct()
+            .limit(limit)
+        )
+        return [model for model in session.exec(statement).all() if model is not None]
 
 
 def _for_models(models: Collection[str] | None) -> ColumnElement[bool]:

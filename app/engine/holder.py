@@ -20,25 +20,36 @@ from app.core.config import Settings
 from app.domain import batches, leases
 from app.domain.leases import Lease
 from app.domain.models import BatchRow
+from app.engine.found_adapters import ClaimableAdapters
 from app.engine.runs import Runs
 
 log = logging.getLogger("vbatch.engine")
 
 
 class LeaseHolder:
-    def __init__(self, runs: Runs, serves: Callable[[], Collection[str]]) -> None:
-        """`serves`: the models (and adapters) this service's engine serves, now."""
+    def __init__(
+        self, runs: Runs, serves: Callable[[], Collection[str]], adapters: ClaimableAdapters | None = None
+    ) -> None:
+        """`serves`: the models (and adapters) this service's engine serves, now; `adapters`: those of
+        `VBATCH_LORA_DIR` it could load."""
         self.runs = runs
         self.name = leases.holder_name()
         self.serves = serves
+        self.adapters = adapters
         # At most this many batches at once (None: every active batch, as `vbatch serve` alone does).
         self.hold_at_most: int | None = None
 
-    def _models(self) -> Collection[str] | None:
-        """The models of the batches it claims: beside other workers, those it serves (`leases.claim`); alone
-        (`vbatch serve`), any, as no other service could take a batch for another model, which fails validation
-        at once."""
-        return None if self.hold_at_most is None else list(self.serves())
+    async def _models(self, db: Engine) -> Collection[str] | None:
+        """The models of the batches it claims: beside other workers, those it serves (`leases.claim`) and the
+        adapters of `VBATCH_LORA_DIR` it could load that unheld batches name; alone (`vbatch serve`), any, as no
+        other service could take a batch for another model, which fails validation at once."""
+        if self.hold_at_most is None:
+            return None
+        served = list(self.serves())
+        if self.adapters is None:
+            return served
+        named = [model for model in await asyncio.to_thread(leases.unheld_models, db=db) if model not in served]
+        return served + (await asyncio.to_thread(self.adapters.among, named) if named else [])
 
     async def release_dead(self, db: Engine) -> None:
         with contextlib.suppress(Exception):  # an unreadable database is reported by the first look for work
@@ -69,14 +80,10 @@ class LeaseHolder:
     async def _claim(self, db: Engine, settings: Settings, room: int | None) -> None:
         """Hold what the claim took even when a stop cancels the wait for it: a lease taken without this service
         knowing would not be released at the stop, and would keep its batch from every other one until it ran out."""
+        models = await self._models(db)
         claiming = asyncio.ensure_future(
             asyncio.to_thread(
-                leases.claim,
-                db=db,
-                holder=self.name,
-                seconds=settings.lease_seconds,
-                limit=room,
-                models=self._models(),
+                leases.claim, db=db, holder=self.name, seconds=settings.lease_seconds, limit=room, models=models
             )
         )
         try:

@@ -32,7 +32,7 @@ from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.bridge import EngineThread
 from app.engine.context import Context
-from app.engine.found_adapters import adapter_finder
+from app.engine.found_adapters import ClaimableAdapters, adapter_finder
 from app.engine.holder import LeaseHolder
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
@@ -76,7 +76,11 @@ class EngineService:
         self._bridge = EngineThread()
         self._ctx: Context | None = None
         self.runs = Runs()
-        self._holder = LeaseHolder(self.runs, serves=lambda: self.served_models)
+        self._holder = LeaseHolder(
+            self.runs,
+            serves=lambda: self.served_models,
+            adapters=ClaimableAdapters(lambda: self._ctx.find_adapter if self._ctx is not None else None),
+        )
         # The batch window (`Context.window`, once there is one) hears of online traffic.
         self._online = OnlineRequests(
             live=self.live, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
@@ -177,7 +181,21 @@ class EngineService:
 
     async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
         """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
-        return await self._online.respond(endpoint, body)
+        answer = await self._online.respond(endpoint, body)
+        if answer.status < 400:
+            await self._announce_found(body.get("model"))
+        return answer
+
+    async def _announce_found(self, model: object) -> None:
+        """An adapter of `VBATCH_LORA_DIR` an online request ran on is listed from now on, as one a batch ran on
+        (`vllm serve` lists what its resolver loaded). The finder reads the disk or an object store: off the loop,
+        once an adapter, since it is served after."""
+        finder = self._ctx.find_adapter if self._ctx is not None else None
+        if finder is None or not isinstance(model, str) or model in self.served_models:
+            return
+        found = await asyncio.to_thread(finder, model)
+        if isinstance(found, Adapter):
+            self.announce([found])
 
     async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
         """On the caller's loop: each body's prompt tokens, counted from the engine thread's loop, which hands the

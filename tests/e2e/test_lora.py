@@ -3,7 +3,7 @@ and four small adapters of SmolLM2 written by the test session; through the open
 model and two adapters is answered line by line by the model each line names, and so is one over all four in
 random order (fed two adapters at a time); /v1/models lists the adapters with their base model, and an online
 request runs on an adapter. The same server finds adapters by name in `VBATCH_LORA_DIR`: one only there answers a
-batch and is listed after; a too wide one fails validation on its line."""
+batch, another an online request, and each is listed after; a too wide one fails validation on its line."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ STARTUP_SECONDS = 900
 RANK = 8
 ADAPTERS = ("a", "b", "c", "d")  # more than --max-loras (2)
 FOUND = "found"  # only in VBATCH_LORA_DIR
+FOUND_ONLINE = "found-online"  # only in VBATCH_LORA_DIR, and named only by an online request
 TOO_WIDE = "too-wide"  # in VBATCH_LORA_DIR, of a rank above --max-lora-rank
 
 
@@ -35,10 +36,11 @@ def write_adapter(folder: Path, base_model: Path, seed: int, rank: int = RANK) -
 def lora_server(tmp_path_factory, model_path) -> Iterator[tuple[VbatchServer, dict[str, Path]]]:
     base = tmp_path_factory.mktemp("vbatch-lora")
     paths = {name: write_adapter(base / f"adapter-{name}", model_path, seed) for seed, name in enumerate(ADAPTERS)}
-    paths[FOUND] = write_adapter(base / "lora-dir" / FOUND, model_path, seed=7)
-    write_adapter(base / "lora-dir" / TOO_WIDE, model_path, seed=8, rank=2 * RANK)
     flags = [*engine_flags(model_path), "--enable-lora", "--max-lora-rank", str(RANK), "--max-loras", "2"]
     flags += ["--lora-modules", *(f"{name}={path}" for name, path in paths.items())]
+    paths[FOUND] = write_adapter(base / "lora-dir" / FOUND, model_path, seed=7)
+    paths[FOUND_ONLINE] = write_adapter(base / "lora-dir" / FOUND_ONLINE, model_path, seed=9)
+    write_adapter(base / "lora-dir" / TOO_WIDE, model_path, seed=8, rank=2 * RANK)
     if is_cpu_build():
         flags += ["--gpu-memory-utilization", "0.15"]
     env = {"VBATCH_MAX_IN_FLIGHT": "8", "VBATCH_PROGRESS_LOG_SECONDS": "2", "VBATCH_LORA_DIR": str(base / "lora-dir")}
@@ -98,7 +100,7 @@ def test_a_batch_over_more_adapters_than_max_loras_answers_each_line_with_the_ad
 def test_models_lists_the_adapters_with_the_base_model_as_parent(client, lora_server):
     _, paths = lora_server
     listed = {model.id: model for model in client.models.list().data}
-    assert set(listed) - {FOUND} == {MODEL, *ADAPTERS}
+    assert set(listed) - {FOUND, FOUND_ONLINE} == {MODEL, *ADAPTERS}
     for name in ADAPTERS:
         card = listed[name].model_dump()
         assert (card["parent"], card["root"]) == (MODEL, str(paths[name]))
@@ -136,3 +138,14 @@ def test_an_adapter_of_the_lora_dir_above_the_max_lora_rank_fails_validation_on_
     assert batch.status == "failed"
     assert batch.errors is not None and batch.errors.data is not None
     assert [(e.code, e.line) for e in batch.errors.data] == [("adapter_rank_too_large", 2)]
+
+
+def test_an_adapter_only_in_the_lora_dir_answers_an_online_request_and_is_listed_after(client, lora_server):
+    _, paths = lora_server
+    assert FOUND_ONLINE not in {model.id for model in client.models.list().data}
+    answer = client.chat.completions.create(
+        model=FOUND_ONLINE, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
+    )
+    assert answer.model == FOUND_ONLINE
+    card = client.models.retrieve(FOUND_ONLINE).model_dump()
+    assert (card["parent"], card["root"]) == (MODEL, str(paths[FOUND_ONLINE]))
