@@ -154,7 +154,9 @@ def test_a_worker_claims_for_the_adapters_of_its_base_and_looks_again_at_other_n
     write_adapter(adapters / "nowhere")  # added since
     assert claimable.among(names) == ["tuned", "nowhere"]
     assert sorted(looked) == sorted(names + names[1:])
-    assert ClaimableAdapters(lambda: None).among(names) == []  # no engine yet
+    assert claimable.looks_up
+    no_engine_yet = ClaimableAdapters(lambda: None)
+    assert not no_engine_yet.looks_up and no_engine_yet.among(names) == []
 
 
 def test_the_base_model_matches_by_served_name_path_or_final_component(adapters: Path):

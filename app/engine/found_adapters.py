@@ -47,6 +47,11 @@ class ClaimableAdapters:
         self._found: set[str] = set()
         self._not_until: dict[str, float] = {}
 
+    @property
+    def looks_up(self) -> bool:
+        """Whether there is a folder to look in and an engine to check against."""
+        return self._finder() is not None
+
     def among(self, names: Sequence[str]) -> list[str]:
         """The names in `names` that are such adapters. Blocks (disk, object store): call it on a thread."""
         finder = self._finder()

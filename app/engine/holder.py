@@ -46,7 +46,7 @@ class LeaseHolder:
         if self.hold_at_most is None:
             return None
         served = list(self.serves())
-        if self.adapters is None:
+        if self.adapters is None or not self.adapters.looks_up:
             return served
         named = [model for model in await asyncio.to_thread(leases.unheld_models, db=db) if model not in served]
         return served + (await asyncio.to_thread(self.adapters.among, named) if named else [])

@@ -193,7 +193,11 @@ class EngineService:
         finder = self._ctx.find_adapter if self._ctx is not None else None
         if finder is None or not isinstance(model, str) or model in self.served_models:
             return
-        found = await asyncio.to_thread(finder, model)
+        try:
+            found = await asyncio.to_thread(finder, model)
+        except Exception as exc:  # the answer stands; the adapter is listed once a later look-up succeeds
+            log.warning("could not look up %r in VBATCH_LORA_DIR: %s", model, exc)
+            return
         if isinstance(found, Adapter):
             self.announce([found])
 
