@@ -24,6 +24,7 @@ from typing import Any
 import httpx
 
 from app.domain.adapters import Adapter
+from app.domain.estimates import SCORING, scored_texts
 from app.engine import frontends
 from app.engine.serving import EngineDead, Stream
 
@@ -130,7 +131,7 @@ class FakeExecutor:
             await asyncio.sleep(self.seconds_per_answer)
         if self.before_answer is not None:
             await asyncio.to_thread(self.before_answer, body)
-        if endpoint in SCORING_ENDPOINTS:
+        if endpoint in SCORING:
             return 200, _scores(endpoint, body)
         self.generated += 1
         return 200, {
@@ -150,7 +151,7 @@ class FakeExecutor:
 
 # What the fake answers as a chat model does (it answers each with a chat completion), and as a scoring model.
 GENERATIVE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
-SCORING_ENDPOINTS = ("/v1/score", "/v1/rerank")
+
 FAKE_PAIR_TOKENS = 5  # the prompt tokens of each (query, document) pair a fake score counts
 
 
@@ -214,9 +215,13 @@ def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
 
 
-def fake_token_count(body: dict) -> int | None:
-    """The fake's tokenizer: a prompt's whitespace-separated words (each message's, for a chat); None for a body
-    without a text prompt, as the real one cannot count a body its handler refuses."""
+def fake_token_count(body: dict, endpoint: str = "/v1/chat/completions") -> int | None:
+    """The fake's tokenizer: a prompt's whitespace-separated words (each message's, for a chat; each scored text's,
+    for a scoring line); None for a body without a text prompt, as the real one cannot count a body its handler
+    refuses."""
+    if endpoint in SCORING:
+        texts = scored_texts(endpoint, body)
+        return None if texts is None else sum(len(text.split()) for text in texts)
     messages = body.get("messages")
     if isinstance(messages, list):
         return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
@@ -281,7 +286,7 @@ class FakeServing:
         return self.executor.preemptions
 
     async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
-        return [fake_token_count(body) for body in bodies]
+        return [fake_token_count(body, endpoint) for body in bodies]
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
         if endpoint not in self.endpoints:
@@ -294,7 +299,7 @@ class FakeEngine:
     test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
     `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent);
     `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say); `endpoints`: what
-    its model answers (a scoring model's: `SCORING_ENDPOINTS`), others get the real serving layer's 400."""
+    its model answers (a scoring model's: `SCORING`), others get the real serving layer's 400."""
 
     def __init__(
         self,

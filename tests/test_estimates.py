@@ -201,3 +201,31 @@ def test_a_worker_view_says_token_counts_are_unknown():
 
     with contextlib.closing(asyncio.new_event_loop()) as loop:
         assert loop.run_until_complete(WorkersView().count_tokens(CHAT, [{"prompt": "a"}])) is None
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "texts"),
+    [
+        ("/v1/score", {"text_1": "q", "text_2": ["a", "b"]}, ["q", "a", "q", "b"]),
+        ("/v1/score", {"queries": "q", "documents": "a"}, ["q", "a"]),
+        ("/v1/score", {"queries": ["q", "r"], "items": ["a", "b"]}, ["q", "a", "r", "b"]),
+        ("/v1/score", {"data_1": ["q", "r"], "data_2": ["a", "b", "c"]}, None),  # N to M: the handler refuses it
+        ("/v1/score", {"text_1": "q", "text_2": [{"type": "image_url"}]}, None),  # not text
+        ("/v1/score", {"text_1": "q"}, None),
+        ("/v1/rerank", {"query": "q", "documents": ["a", "b"]}, ["q", "a", "q", "b"]),
+        ("/v1/rerank", {"query": "q", "documents": []}, None),
+    ],
+)
+def test_a_scoring_line_puts_each_pairs_two_texts_before_the_model(endpoint, body, texts):
+    assert estimates.scored_texts(endpoint, body) == texts
+
+
+def test_scoring_expects_no_output_and_is_timed_by_its_input_tokens():
+    for endpoint in estimates.SCORING:
+        assert estimates.max_output_tokens(endpoint, {"max_tokens": 5}, 10, 100) == 0
+        history = estimates.History(["batch_s"], lines=10, input_tokens=400, output_tokens=0, run_seconds=4.0)
+        lines = [estimates.line_of(endpoint, {}, 40, 100)] * 10
+        answer = estimates.estimate(
+            estimates.Asked("file-1", endpoint, "m"), 10, lines, history, estimates.Pricing(1, None)
+        )
+        assert (answer.expected_output_tokens, answer.eta_seconds, answer.basis.rate_unit) == (0, 4.0, "input_tokens")

@@ -12,10 +12,11 @@ from pydantic import ValidationError
 from starlette.datastructures import State
 
 from app.domain.batches import ENDPOINTS
+from app.domain.estimates import SCORING
 from app.engine.service import EngineService
 from app.engine.vllm_adapter import ServingLayer
 from app.main import create_app
-from app.testing import FAKE_MODEL, FAKE_PAIR_TOKENS, SCORING_ENDPOINTS, FakeEngine
+from app.testing import FAKE_MODEL, FAKE_PAIR_TOKENS, FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_status
 
 DOCUMENTS = ["Paris is in France.", "Bananas are yellow.", "The Louvre is a museum in Paris."]
@@ -42,7 +43,7 @@ def ended(client, lines: list[dict], endpoint: str) -> dict:
 @pytest.fixture
 def fake_engine() -> FakeEngine:
     """An engine serving a model that scores (a cross-encoder): it answers score and rerank, and nothing else."""
-    return FakeEngine(endpoints=SCORING_ENDPOINTS)
+    return FakeEngine(endpoints=SCORING)
 
 
 def test_score_and_rerank_are_batch_endpoints_and_audio_is_refused_at_creation(client):

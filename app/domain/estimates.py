@@ -34,7 +34,25 @@ _LIMIT_FIELDS = {
     "/v1/responses": ("max_output_tokens",),
 }
 _DEFAULT_LIMITS = {"/v1/completions": 16}
-GENERATES_NOTHING = ("/v1/embeddings",)
+SCORING = ("/v1/score", "/v1/rerank")
+GENERATES_NOTHING = ("/v1/embeddings", *SCORING)
+# The two sides a score body pairs, in the spellings vLLM's ScoreRequest takes (the first present wins, as there).
+_SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
+
+
+def scored_texts(endpoint: str, body: dict) -> list[str] | None:
+    """The texts a scoring line's pairs put before the model, each pair's two (one side given once pairs with
+    each of the other's); None where they are not all text (images, a shape the handler refuses)."""
+    sides = [("query", "documents")] if endpoint == "/v1/rerank" else _SCORE_SIDES
+    first, second = next(((body[a], body[b]) for a, b in sides if a in body and b in body), (None, None))
+    firsts = first if isinstance(first, list) else [first]
+    seconds = second if isinstance(second, list) else [second]
+    if len(firsts) == 1:
+        firsts = firsts * len(seconds)
+    if len(firsts) != len(seconds):
+        return None
+    texts = [text for pair in zip(firsts, seconds, strict=True) for text in pair]
+    return texts if texts and all(isinstance(text, str) for text in texts) else None
 
 
 @dataclass(frozen=True)

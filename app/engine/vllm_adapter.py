@@ -27,6 +27,7 @@ from starlette.requests import Request
 
 from app.core.lora_dir import LoraDir
 from app.domain.adapters import Adapter, AdapterProblem
+from app.domain.estimates import SCORING, scored_texts
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
 from app.engine.found_adapters import adapter_finder
@@ -321,9 +322,19 @@ async def _count_all(tokenization: Any, endpoint: str, bodies: list[dict]) -> li
 
 
 async def _count(tokenization: Any, endpoint: str, body: dict) -> int | None:
-    """One body's prompt tokens on the base model's tokenizer (an adapter shares it); None if it cannot be counted."""
-    protocol = _first_module("vllm.entrypoints.serve.tokenize.protocol", "vllm.entrypoints.openai.protocol")
+    """One body's prompt tokens on the base model's tokenizer (an adapter shares it); None if it cannot be counted.
+    A scoring line's pairs count each text tokenized apart: a cross-encoder that joins a pair counts one special
+    token less a pair."""
+    if endpoint in SCORING:
+        texts = scored_texts(endpoint, body)
+        counts = [await _count_shape(tokenization, {"prompt": text}) for text in texts or []]
+        return sum(counts) if texts and None not in counts else None  # type: ignore[arg-type]
     shaped = _tokenize_shape(endpoint, body)
+    return await _count_shape(tokenization, shaped)
+
+
+async def _count_shape(tokenization: Any, shaped: dict | int | None) -> int | None:
+    protocol = _first_module("vllm.entrypoints.serve.tokenize.protocol", "vllm.entrypoints.openai.protocol")
     if shaped is None or isinstance(shaped, int):
         return shaped
     try:

@@ -2,10 +2,12 @@
 session writes a tiny cross-encoder (a two-layer LlamaForSequenceClassification with one label and random weights,
 beside SmolLM2's tokenizer): vLLM serves it as a pooling model that scores. Through the openai SDK a batch of
 /v1/score lines and one of /v1/rerank lines are answered line by line in OpenAI's batch output shape, their prompt
-tokens counted; a chat batch against it, which the model cannot answer, gives each line the error."""
+tokens counted; a chat batch against it, which the model cannot answer, gives each line the error. The estimate of a
+score file counts its pairs' tokens with the model's tokenizer, expects no output, and times it by input tokens."""
 
 from __future__ import annotations
 
+import io
 import shutil
 import sys
 from collections.abc import Iterator
@@ -16,7 +18,7 @@ from openai import OpenAI
 
 from app.engine.vllm_adapter import is_cpu_build
 from app.testing import VbatchServer, free_port
-from tests.e2e.helpers import chat_line, lines_of, submit, wait_terminal
+from tests.e2e.helpers import chat_line, lines_of, submit, to_jsonl, wait_terminal
 from tests.schemas import validate
 
 STARTUP_SECONDS = 900
@@ -138,3 +140,28 @@ def test_a_chat_batch_on_the_scoring_model_gives_each_line_the_error(client):
         assert error["response"]["status_code"] == 400
         message = error["response"]["body"]["error"]["message"]
         assert "cannot answer /v1/chat/completions" in message and "/v1/score" in message
+
+
+def _estimate(client: OpenAI, lines: list[dict], endpoint: str) -> tuple[str, dict]:
+    uploaded = client.files.create(file=("score.jsonl", io.BytesIO(to_jsonl(lines))), purpose="batch")
+    body = {"input_file_id": uploaded.id, "endpoint": endpoint, "completion_window": "24h"}
+    return uploaded.id, client.post("/batches/estimate", body=body, cast_to=object)  # type: ignore[return-value]
+
+
+def test_a_score_files_estimate_counts_its_pairs_and_is_timed_by_input_tokens_once_one_has_run(client):
+    lines = [
+        line("e0", "/v1/score", {"text_1": QUERY, "text_2": DOCUMENTS}),
+        line("e1", "/v1/score", {"data_1": [QUERY, QUERY], "data_2": DOCUMENTS[1:]}),
+    ]
+    file_id, before = _estimate(client, lines, "/v1/score")
+    assert before["errors"] is None and before["basis"]["token_counts"] == "tokenizer"
+    assert (before["max_output_tokens"], before["expected_output_tokens"]) == (0, 0)
+    done = wait_terminal(client, client.batches.create(input_file_id=file_id, endpoint="/v1/score",
+                                                       completion_window="24h").id)  # fmt: skip
+    assert done.status == "completed" and done.request_counts.completed == 2
+    pairs = len(DOCUMENTS) + 2
+    # Each pair's texts are tokenized apart: at most a few special tokens a pair more than the model joining them.
+    assert done.usage.input_tokens <= before["prompt_tokens"] <= done.usage.input_tokens + 2 * pairs
+    _, after = _estimate(client, lines, "/v1/score")
+    assert after["basis"]["rate"] == "measured" and after["basis"]["rate_unit"] == "input_tokens"
+    assert after["eta_seconds"] is not None and after["eta_seconds"] > 0
