@@ -143,7 +143,7 @@ def merge(argv: list[str]) -> None:
 
 def _merge_into(output: Path, args: argparse.Namespace) -> MergeReport:
     """The merged file is written beside `output` and renamed over it whole: a refusal leaves nothing."""
-    from app.domain.merge import merge
+    from app.domain.merge import merge, refuse_overwriting
 
     if args.input is not None:
         source, results = Path(args.input), [Path(each) for each in args.sources]
@@ -151,6 +151,7 @@ def _merge_into(output: Path, args: argparse.Namespace) -> MergeReport:
         source, results = _chain_paths(
             args.sources[0], Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
         )
+    refuse_overwriting(output, [source, *results])
     partial = output.with_name(f".{output.name}.partial")
     try:
         with partial.open("wb") as out:

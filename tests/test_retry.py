@@ -169,6 +169,34 @@ def test_merge_gives_lines_without_a_result_an_error_and_refuses_another_jobs_re
     assert refused.value.code == 2 and not (tmp_path / "refused.jsonl").exists()
 
 
+def test_merge_never_writes_over_a_file_it_reads_nor_merges_an_input_no_batch_ran(
+    client, fake_engine, tmp_path, monkeypatch, settings, capsys
+):
+    content, cancelled = cancelled_midway(client, fake_engine, lines=3, answered=1)
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(content)
+    results.write_bytes(client.get(f"/v1/files/{cancelled['output_file_id']}/content").content)
+    for output in (source, results, tmp_path / "." / "in.jsonl"):
+        with pytest.raises(SystemExit) as refused:
+            merged(output, "--input", str(source), str(results))
+        assert refused.value.code == 2 and "a file the merge reads" in capsys.readouterr().err
+    assert source.read_bytes() == content  # the requests are still there
+
+    twice = tmp_path / "twice.jsonl"
+    twice.write_bytes(content + jsonl([request_line("r0")]))
+    with pytest.raises(SystemExit):
+        merged(tmp_path / "m.jsonl", "--input", str(twice), str(results))
+    assert "repeats the custom_id 'r0' of line 1" in capsys.readouterr().err
+
+    never_ran = create_batch(client, upload(client, jsonl([request_line("a"), request_line("a")]))["id"])
+    assert wait_status(client, never_ran["id"], {"failed"})["status"] == "failed"
+    with_service_env(monkeypatch, settings)
+    with pytest.raises(SystemExit):
+        merged(tmp_path / "m.jsonl", never_ran["id"], "--data-dir", str(settings.data_dir))
+    assert "failed before it ran a line" in capsys.readouterr().err
+    assert not (tmp_path / "m.jsonl").exists()
+
+
 def test_what_cannot_be_retried_gets_a_clear_error(client, fake_engine):
     fake_engine.executor.answer_first = 0
     running = create_batch(client, upload(client, jsonl([request_line("a")]))["id"])
@@ -200,10 +228,13 @@ def test_full_metadata_is_refused_unless_the_body_replaces_it(client, fake_engin
     _, cancelled = cancelled_midway(client, fake_engine, lines=3, answered=1, metadata=full)
     error = refusal(client, cancelled["id"], 400)
     assert error["code"] == "metadata_full" and error["param"] == "metadata"
+    assert "has 16 pairs, so `retry_of` would make 17" in error["message"]
     assert client.get("/v1/batches").json()["data"][0]["id"] == cancelled["id"]  # nothing was created
     answer = retry(client, cancelled["id"], metadata={"job": "retry"})
     assert answer["batch"]["metadata"] == {"job": "retry", "retry_of": cancelled["id"]}
-    assert refusal(client, cancelled["id"], 400, metadata={f"k{i}": "v" for i in range(16)})["code"] == "metadata_full"
+    sent = refusal(client, cancelled["id"], 400, metadata={f"k{i}": "v" for i in range(16)})
+    assert sent["code"] == "metadata_full"
+    assert sent["message"].startswith("'metadata' has 16 pairs, and the retry adds `retry_of`: 17 in all")
 
 
 def test_another_keys_batch_is_not_found(tmp_path):

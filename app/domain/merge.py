@@ -21,7 +21,7 @@ from app.domain import files
 from app.domain.errors import InvalidRequest, NotEnded, NotFound
 from app.domain.lifecycle import TERMINAL
 from app.domain.results import error_outcome, line_for, result_head
-from app.domain.retry import request_custom_id, retry_chain
+from app.domain.retry import check_ended, request_custom_id, retry_chain
 from app.domain.validation import numbered_lines
 
 NO_RESULT_MESSAGE = "No batch of the retry chain has a result for this request."
@@ -76,11 +76,21 @@ def _choose(results: Sequence[Path]) -> dict[str, Chosen]:
     return chosen
 
 
+def refuse_overwriting(output: Path, reads: Sequence[Path]) -> None:
+    """The merged file is renamed over `output` at the end: a file merge reads from would be lost under it."""
+    for path in reads:
+        same = output.samefile(path) if output.exists() and path.exists() else output.resolve() == path.resolve()
+        if same:
+            raise MergeRefused(f"The output {output} is a file the merge reads ({path}): write it somewhere else.")
+
+
 def merge(input_path: Path, results: Sequence[Path], out: BinaryIO) -> MergeReport:
     """Writes the merged lines to `out`, in `input_path`'s order; `results` are the result files of the batches,
-    oldest batch first. MergeRefused if they hold results of custom_ids the input does not have."""
+    oldest batch first. MergeRefused if they hold results of custom_ids the input does not have, or if the input
+    names a custom_id twice (a batch of it never ran: validation refuses that)."""
     chosen = _choose(results)
     foreign = set(chosen)
+    first_line: dict[str, int] = {}
     report = MergeReport()
     with ExitStack() as stack:
         handles = [stack.enter_context(path.open("rb")) for path in results]
@@ -88,6 +98,12 @@ def merge(input_path: Path, results: Sequence[Path], out: BinaryIO) -> MergeRepo
             custom_id = request_custom_id(line.data)
             if custom_id is None:
                 continue
+            if custom_id in first_line:
+                raise MergeRefused(
+                    f"Line {line.number} of the input repeats the custom_id {custom_id!r} of line "
+                    f"{first_line[custom_id]}: no batch ran this input."
+                )
+            first_line[custom_id] = line.number
             foreign.discard(custom_id)
             report.lines += 1
             pick = chosen.pop(custom_id, None)
@@ -108,6 +124,7 @@ def merge(input_path: Path, results: Sequence[Path], out: BinaryIO) -> MergeRepo
 def chain_files(*, db: Engine, batch_id: str) -> ChainFiles:
     """The files to merge for `batch_id`'s retry chain, every batch of it ended and every file still there."""
     chain = retry_chain(db=db, batch_id=batch_id, owner=None)
+    check_ended(chain[0])  # a batch that failed before it ran has no results to merge
     for row in chain:
         if row.status not in TERMINAL:
             raise NotEnded(row.id, row.status)

@@ -162,15 +162,21 @@ def retry_metadata(row: BatchRow, replacement: dict[str, str] | None) -> dict[st
     OpenAI's limit on pairs, rather than drop one of the caller's."""
     kept = replacement if replacement is not None else json.loads(row.metadata_json or "{}")
     metadata = {key: value for key, value in kept.items() if key != RETRY_OF} | {RETRY_OF: row.id}
-    if len(metadata) > batches.MAX_METADATA_PAIRS:
-        raise InvalidRequest(
-            f"The metadata of batch {row.id} has {len(kept)} pairs, the most allowed, so `{RETRY_OF}` cannot be "
-            f"added. Send `metadata` with at most {batches.MAX_METADATA_PAIRS - 1} pairs in the request body: it "
-            "replaces the retried batch's.",
-            param="metadata",
-            code="metadata_full",
+    most = batches.MAX_METADATA_PAIRS
+    if len(metadata) <= most:
+        return metadata
+    if replacement is None:
+        message = (
+            f"The metadata of batch {row.id} has {len(kept)} pairs, so `{RETRY_OF}` would make {len(metadata)}, "
+            f"above the {most} allowed. Send `metadata` with at most {most - 1} pairs in the request body: it "
+            "replaces the retried batch's."
         )
-    return metadata
+    else:
+        message = (
+            f"'metadata' has {len(kept)} pairs, and the retry adds `{RETRY_OF}`: {len(metadata)} in all, above the "
+            f"{most} allowed. Send at most {most - 1}."
+        )
+    raise InvalidRequest(message, param="metadata", code="metadata_full")
 
 
 async def _local(*, db: Engine, storage: Storage, file_id: str | None, owner: str, what: str) -> Path | None:
