@@ -89,6 +89,17 @@ def test_malformed_json_body_is_invalid_json(client):
     }
 
 
+@pytest.mark.parametrize("path", ["/v1/batches", "/v1/batches/estimate"])
+def test_json_that_is_not_an_object_says_so_and_json_too_deep_is_invalid_json(client, path):
+    for body in (b"[{}]", b'"x"', b"1"):
+        error = client.post(path, content=body, headers={"content-type": "application/json"}).json()["error"]
+        assert (error["message"], error["code"]) == ("The body of your request must be a JSON object.", "invalid_json")
+    deep = b"[" * 100_000 + b"]" * 100_000
+    answer = client.post(path, content=deep, headers={"content-type": "application/json"})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["code"] == "invalid_json"
+
+
 def test_empty_body_names_the_first_missing_parameter(client):
     response = client.post("/v1/batches", content=b"", headers={"content-type": "application/json"})
     assert response.status_code == 400
@@ -138,8 +149,9 @@ def test_openapi_declares_no_422():
 # 5. Uploads.
 
 
-def test_empty_upload_is_400_and_stores_nothing(client, settings):
-    response = client.post("/v1/files", files={"file": ("e.jsonl", b"")}, data={"purpose": "batch"})
+@pytest.mark.parametrize("content", [b"", b"\n \n", b"\xef\xbb\xbf\n", b"\xef\xbb\xbf"])
+def test_empty_upload_is_400_and_stores_nothing(client, settings, content):
+    response = client.post("/v1/files", files={"file": ("e.jsonl", content)}, data={"purpose": "batch"})
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "empty_file"
     assert response.json()["error"]["param"] == "file"

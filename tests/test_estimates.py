@@ -229,3 +229,14 @@ def test_scoring_expects_no_output_and_is_timed_by_its_input_tokens():
             estimates.Asked("file-1", endpoint, "m"), 10, lines, history, estimates.Pricing(1, None)
         )
         assert (answer.expected_output_tokens, answer.eta_seconds, answer.basis.rate_unit) == (0, 4.0, "input_tokens")
+
+
+def test_the_estimate_and_retry_answer_post_only_with_a_405_saying_so(client):
+    for path in ("/v1/batches/estimate", "/v1/batches/batch_abc/retry"):
+        for method in ("GET", "DELETE"):
+            answer = client.request(method, path)
+            assert answer.status_code == 405, (method, path, answer.text)
+            assert answer.headers["allow"] == "POST"
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"} and error["type"] == "invalid_request_error"
+    assert client.get("/v1/batches/batch_abc").status_code == 404  # the batch route is untouched

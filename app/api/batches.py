@@ -1,9 +1,10 @@
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from app.api.deps import DbDep, EngineDep, OwnerDep, SettingsDep, StorageDep
 from app.domain import batches, retry
@@ -61,6 +62,12 @@ async def estimate_batch(
     return await estimating.estimate(
         db=db, storage=storage, settings=settings, engine=engine, request=body, owner=owner
     )
+
+
+@router.get("/estimate", include_in_schema=False, response_model=None)
+def estimate_answers_post_only() -> NoReturn:
+    """A 405, not `GET /v1/batches/{batch_id}` of a batch named "estimate" (a 404 that misleads)."""
+    raise StarletteHTTPException(405, "Method Not Allowed")
 
 
 @router.get("", response_model=BatchList)

@@ -121,12 +121,19 @@ def _first_required_body_field(request: Request) -> str | None:
     return next((name for name, field in fields.items() if field.is_required()), None)
 
 
+_UNPARSED = "We could not parse the JSON body of your request."
+# What FastAPI answers for a body its JSON decoding raised on other than with a decode error.
+_FASTAPI_UNPARSED = "There was an error parsing the body"
+
+
 def _from_validation(request: Request, exc: RequestValidationError) -> APIError:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "Invalid request.", "type": ""}
     loc = tuple(first.get("loc", ()))
     kind = first.get("type")
-    if kind == "json_invalid" or (kind in ("model_attributes_type", "dict_type") and loc == ("body",)):
-        return bad_request("We could not parse the JSON body of your request.", code="invalid_json")
+    if kind == "json_invalid":
+        return bad_request(_UNPARSED, code="invalid_json")
+    if kind in ("model_attributes_type", "dict_type") and loc == ("body",):
+        return bad_request("The body of your request must be a JSON object.", code="invalid_json")
     param = _param_of(loc)
     if kind == "missing":
         param = param or _first_required_body_field(request)
@@ -138,7 +145,8 @@ def _allowed_methods(app: FastAPI, path: str) -> str:
     """Every method the path answers to: Starlette's own `Allow` names only the first route that matched it. A
     path that some route names exactly (`/v1/batches/estimate`) is that route's resource, not a value of a templated
     one (`/v1/batches/{batch_id}`), as OpenAPI matches concrete paths before templated ones."""
-    matching = [route for route in app.routes if _matches(route, path)]
+    # A hidden route (`include_in_schema=False`) only turns a method away: it answers none.
+    matching = [route for route in app.routes if _matches(route, path) and getattr(route, "include_in_schema", True)]
     exact = [route for route in matching if getattr(route, "path", None) == path]
     methods: set[str] = set()
     for route in exact or matching:
@@ -169,6 +177,8 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "Request failed."
         if exc.status_code == 404 and message == "Not Found":
             message = "Unknown request URL. Please check the URL and method."
+        if exc.status_code == 400 and message == _FASTAPI_UNPARSED:  # nested deeper than Python parses, say
+            return respond(bad_request(_UNPARSED, code="invalid_json"))
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         headers = dict(exc.headers or {})
         if exc.status_code == 405:

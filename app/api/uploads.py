@@ -266,8 +266,10 @@ def _complete(fields: dict[str, str], stored: _Stored | None, file_id: str, sett
         raise bad_request("Missing required parameter: 'purpose'.", param="purpose", code="missing_required_parameter")
     if stored.size > settings.upload_limit(purpose):  # `purpose` came after the file
         raise _too_large(settings.upload_limit(purpose))
-    # A batch file of blank lines holds no request: as empty as one of no bytes.
-    blank = stored.size == 0 or (purpose == "batch" and stored.size == len(stored.head) and not stored.head.strip())
+    # A batch file of blank lines (after a byte order mark, which is accepted) holds no request: as empty as one of
+    # no bytes.
+    text = stored.head.removeprefix(b"\xef\xbb\xbf")
+    blank = stored.size == 0 or (purpose == "batch" and stored.size == len(stored.head) and not text.strip())
     if blank:
         raise bad_request("The file is empty.", param="file", code="empty_file")
     head = _read_head(stored.head) if purpose == "batch" else _Head(jsonl=True)
