@@ -23,6 +23,9 @@ os.environ.setdefault("VBATCH_ALLOWED_HOSTS", "testserver")
 # A blocking database or object-store call on an event loop raises (`app.core.blocking`), here and in every server the
 # tests start as a process of its own.
 os.environ["VBATCH_GUARD_BLOCKING"] = "true"
+# A small disk reserve in every server process the tests start (their data directories, 32 MiB each by default, took
+# 4.5 GiB of a run); tests of the reserve set their own.
+os.environ.setdefault("VBATCH_DISK_RESERVE_BYTES", "65536")
 
 
 BOTH_BACKENDS = ("sqlite", "postgres_s3")

@@ -100,6 +100,23 @@ def test_json_that_is_not_an_object_says_so_and_json_too_deep_is_invalid_json(cl
     assert answer.json()["error"]["code"] == "invalid_json"
 
 
+def test_an_argument_openai_does_not_know_is_refused_by_name(client):
+    file_id = upload(client, jsonl([request_line("a")]))["id"]
+    body = {"input_file_id": file_id, "endpoint": "/v1/chat/completions", "completion_window": "24h"}
+    for path in ("/v1/batches", "/v1/batches/estimate"):
+        answer = client.post(path, json={**body, "output_expires_afer": {"anchor": "created_at", "seconds": 3600}})
+        assert answer.status_code == 400
+        assert answer.json()["error"] == {
+            "message": "Unrecognized request argument supplied: 'output_expires_afer'.",
+            "type": "invalid_request_error",
+            "param": "output_expires_afer",
+            "code": "unknown_parameter",
+        }
+    assert client.get("/v1/batches").json()["data"] == []  # nothing was created
+    refused = client.post("/v1/batches/batch_x/retry", json={"metadata": {}, "foo": 1})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "foo"
+
+
 def test_empty_body_names_the_first_missing_parameter(client):
     response = client.post("/v1/batches", content=b"", headers={"content-type": "application/json"})
     assert response.status_code == 400

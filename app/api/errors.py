@@ -135,6 +135,8 @@ def _from_validation(request: Request, exc: RequestValidationError) -> APIError:
     if kind in ("model_attributes_type", "dict_type") and loc == ("body",):
         return bad_request("The body of your request must be a JSON object.", code="invalid_json")
     param = _param_of(loc)
+    if kind == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument supplied: '{param}'.", param=param, code="unknown_parameter")
     if kind == "missing":
         param = param or _first_required_body_field(request)
         return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")

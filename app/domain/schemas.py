@@ -169,6 +169,8 @@ class NotRetriedLine(BaseModel):
 class RetryBatchRequest(BaseModel):
     """The optional body of `POST /v1/batches/{id}/retry`."""
 
+    model_config = ConfigDict(extra="forbid")
+
     metadata: dict[str, str] | None = Field(
         default=None, description="Replaces the retried batch's metadata in the new batch (`retry_of` is added)."
     )
@@ -238,6 +240,9 @@ class BatchEstimate(BaseModel):
 
 
 class CreateBatchRequest(BaseModel):
+    # An argument OpenAI does not know is refused, as OpenAI refuses it: a misspelt one would be dropped unseen.
+    model_config = ConfigDict(extra="forbid")
+
     input_file_id: str
     endpoint: str
     completion_window: str
