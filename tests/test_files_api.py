@@ -59,7 +59,7 @@ def test_unknown_purpose_is_400_naming_param(client):
 
 
 def test_missing_file_is_400(client):
-    response = client.post("/v1/files", data={"purpose": "batch"}, files={"purpose": (None, b"batch")})
+    response = client.post("/v1/files", files={"purpose": (None, b"batch")})
     assert response.status_code == 400
     assert response.json()["error"] == {
         "message": "Missing required parameter: 'file'.",
@@ -123,9 +123,22 @@ def test_bad_limit_is_400_envelope(client):
     assert response.json()["error"]["param"] == "limit"
 
 
-def test_overlong_filename_is_400_and_stores_nothing(client, settings):
-    response = client.post("/v1/files", files={"file": ("x" * 1025, b"{}\n")}, data={"purpose": "batch"})
+@pytest.mark.parametrize("length", [1025, 5000, 100_000])
+def test_overlong_filename_is_400_and_stores_nothing(client, settings, length):
+    response = client.post("/v1/files", files={"file": ("x" * length, b"{}\n")}, data={"purpose": "batch"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "file"
+    assert "1024 characters" in response.json()["error"]["message"]
+    assert [p.name for p in settings.files_dir.iterdir()] == []
+
+
+def test_a_field_or_file_sent_twice_is_400_and_stores_nothing(client, settings):
+    form = [("purpose", (None, b"batch")), ("purpose", (None, b"user_data")), ("file", ("a.jsonl", b"{}\n"))]
+    files_twice = [("purpose", (None, b"batch")), ("file", ("a.jsonl", b"{}\n")), ("file", ("b.jsonl", b"{}\n"))]
+    for parts, param in ((form, "purpose"), (files_twice, "file")):
+        response = client.post("/v1/files", files=parts)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["param"], error["message"]) == (param, f"The form sends '{param}' twice: send it once.")
     assert [p.name for p in settings.files_dir.iterdir()] == []
 
 

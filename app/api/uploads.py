@@ -29,6 +29,7 @@ FORM_OVERHEAD = 64 * 1024
 MAX_FIELD_BYTES = 4096
 MAX_PARTS = 16
 MAX_FILENAME_CHARS = 1024
+_HEADERS_TOO_LONG = f"A form part's headers are too long (a filename may have at most {MAX_FILENAME_CHARS} characters)."
 # A batch file's first line is read from this much of its head (a longer first line is left to validation).
 SNIFF_BYTES = 1 << 20
 EXPIRES_AFTER_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")
@@ -117,7 +118,9 @@ class _FormStream:
                 continue
             try:
                 self._parser.write(chunk)
-            except MultipartParseError:
+            except MultipartParseError as exc:
+                if "header size" in str(exc):  # python-multipart's limit on a part's headers
+                    raise bad_request(_HEADERS_TOO_LONG, param="file") from None
                 raise bad_request("The multipart body could not be parsed.", param="file") from None
         return self._events.queue.popleft()
 
@@ -218,7 +221,10 @@ async def receive_upload(request: Request, *, storage: Storage, settings: Settin
     stored: _Stored | None = None
     try:
         async for part in form.parts():
-            if part.name == "file" and part.filename is not None and stored is None:
+            if part.name in fields or (part.name == "file" and stored is not None):
+                # Which of two values was meant cannot be told: the last would win unseen.
+                raise bad_request(f"The form sends '{part.name}' twice: send it once.", param=part.name)
+            if part.name == "file" and part.filename is not None:
                 stored = await _store(form, part, fields, file_id, storage=storage, settings=settings)
             elif part.name in FORM_FIELDS and part.name != "file":
                 fields[part.name] = await form.text(part.name)
