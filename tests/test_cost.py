@@ -4,6 +4,8 @@ VBATCH_GPU_HOUR_PRICE; the batch object keeps OpenAI's shape."""
 
 from __future__ import annotations
 
+from time import sleep
+
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from pydantic import ValidationError
@@ -11,7 +13,7 @@ from sqlmodel import Session
 
 from app.core.config import Settings
 from app.core.db import make_engine
-from app.domain.cost import apportion, spend, weighed_tokens
+from app.domain.cost import apportion, spend, weighed_tokens, weights
 from app.domain.models import BatchRow
 from app.domain.schemas import Batch
 from app.engine.metrics import BATCH, LIVE, EngineTime, Payer
@@ -89,6 +91,35 @@ def test_time_in_flight_waits_for_the_tokens_that_pay_it():
     time.ended()
     time.used(batch_payer("batch_a"), 1)
     assert time.take("batch_a") == pytest.approx(10.0)
+
+
+def test_requests_that_left_unanswered_weigh_their_seconds_at_the_answered_rate():
+    a, b = batch_payer("batch_a"), batch_payer("batch_b", key="bob")
+    # 300 tokens in 3 request-seconds answered: 100 a second; b's aborted lines were in flight 2 s: 200.
+    assert weights({a: 300}, 3.0, {b: 2.0}) == {a: 300.0, b: 200.0}
+    assert apportion(10.0, weights({a: 300}, 3.0, {b: 2.0})) == pytest.approx({a: 6.0, b: 4.0})
+    assert weights({}, 0.0, {b: 2.0, a: 6.0}) == {b: 2.0, a: 6.0}  # nothing answered: by seconds alone
+    assert weights({a: 300}, 0.0, {b: 2.0}) == {a: 300.0}  # no rate to weigh them by
+    assert weights({a: 0}, 0.0, {}) == {}
+
+
+def test_a_cancelled_batchs_aborted_lines_pay_for_their_time_not_the_next_batch():
+    clock = Clock()
+    time = EngineTime(clock)
+    for _ in range(4):  # batch_a's lines: in flight 16 s, then aborted by its cancel
+        time.started()
+    clock.now += 16.0
+    for _ in range(4):
+        time.ended()
+        time.timed(batch_payer("batch_a"), 16.0, answered=False)
+    time.started()  # batch_b's one line, answered at once
+    clock.now += 0.01
+    time.ended()
+    time.timed(batch_payer("batch_b"), 0.01, answered=True)
+    time.used(batch_payer("batch_b"), 1)
+    # b's line made 1 token in 0.01 s: 100 a second; a's 64 request-seconds weigh 6,400 tokens against b's 1.
+    assert time.take("batch_b") == pytest.approx(16.01 * 1 / (1 + 6400), rel=1e-6)
+    assert time.take("batch_a") == pytest.approx(16.01, rel=1e-3)
 
 
 def test_a_price_gives_the_cost_and_the_cost_per_million_input_and_output_tokens():
@@ -188,6 +219,26 @@ def test_online_requests_share_is_counted_by_key_and_model(settings):
     assert metrics[("vbatch_live_cost_usd_total", labels)] == pytest.approx(
         metrics[("vbatch_live_gpu_seconds_total", labels)] / 3600
     )
+
+
+def test_a_cancelled_batch_pays_for_the_time_of_its_aborted_lines_and_the_next_batch_does_not(settings):
+    engine = FakeEngine()
+    engine.executor.answer_first = 0  # the first batch's lines wait in the engine until its cancel aborts them
+    with app_on(settings, engine) as client:
+        cancelled = create_batch(client, upload(client, jsonl([request_line(f"a{i}") for i in range(3)]))["id"])
+        wait_for(lambda: engine.executor.calls >= 3)
+        sleep(0.5)  # not a wait for anything: the lines' time in flight, which someone must pay for
+        client.post(f"/v1/batches/{cancelled['id']}/cancel")
+        wait_status(client, cancelled["id"], {"cancelled"})
+        assert len(engine.executor.aborted) == 3
+        engine.executor.answer_first = None
+        answered = create_batch(client, upload(client, jsonl([request_line(f"b{i}") for i in range(3)]))["id"])
+        wait_status(client, answered["id"], {"completed"})
+        spent = {
+            b["id"]: client.get(f"/v1/batches/{b['id']}/progress").json()["gpu_seconds"] for b in (cancelled, answered)
+        }
+    assert spent[cancelled["id"]] >= 0.5
+    assert spent[answered["id"]] < 0.5  # its lines are answered at once: it pays for none of the cancelled ones
 
 
 def stored_gpu_seconds(settings: Settings, batch_id: str) -> float:

@@ -85,7 +85,10 @@ class OnlineCall:
             self.admission = self.limiter.admit(
                 self.owner, tokens=estimated_tokens(self.endpoint, body), model=self.model
             )
+            sent = time.perf_counter()
             answer = await unless_client_leaves(self.engine.respond(self.endpoint, body), self.request)
+            if answer is None and self.engine_time is not None:  # its engine request aborted: it pays by its time
+                self.engine_time.timed(self.payer, time.perf_counter() - sent, answered=False)
         except (APIError, DomainError) as exc:
             return self._refused(exc)
         except ClientGone:
@@ -141,7 +144,12 @@ class OnlineCall:
         self.metrics.ended(key=self.key, model=self.model, seconds=seconds, output_tokens=output)
         if self.engine_time is not None:
             tokens = weighed_tokens(usage) if isinstance(usage, dict) else output
-            self.engine_time.used(Payer(LIVE, self.key, self.model), tokens)
+            self.engine_time.used(self.payer, tokens)
+            self.engine_time.timed(self.payer, seconds, answered=True)
+
+    @property
+    def payer(self) -> Payer:
+        return Payer(LIVE, self.key, self.model)
 
 
 def _served_models(engine: EngineView, model: object, found_adapters: LoraDir | None) -> list[str]:

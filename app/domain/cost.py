@@ -1,7 +1,10 @@
 """What a batch's engine time cost (issue 31). vbatch does not see vLLM's steps: it sees how long the engine had
 requests in flight and the tokens each finished request used. Over each interval the engine was busy, that time
 times the engine's devices is shared between whoever finished requests in it, in proportion to their tokens
-(`apportion`). An idle engine's time is charged to nobody.
+(`apportion`). A request that left the engine unanswered (a batch line withdrawn for an online request, or aborted by
+a cancel, an expiry or the engine's death) tells no tokens: it weighs the tokens it likely made, its seconds in
+flight at the rate answered requests made tokens in the same while (`weights`), so its payer, not whoever finished
+next, pays for it. An idle engine's time is charged to nobody.
 
 A request's tokens are its prompt tokens the engine computed (those served from the prefix cache are left out: the
 engine did not compute them again) plus its output tokens (`weighed_tokens`). Prices are USD per device-hour
@@ -35,13 +38,30 @@ def _count(value: object) -> int:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
-def apportion(seconds: float, tokens: Mapping[Payer, int]) -> dict[Payer, float]:
+def apportion(seconds: float, tokens: Mapping[Payer, float]) -> dict[Payer, float]:
     """`seconds` of engine time shared by the payers in proportion to their tokens; empty when none has any (the
     time is nobody's yet)."""
     total = sum(count for count in tokens.values() if count > 0)
     if total == 0:
         return {}
     return {payer: seconds * count / total for payer, count in tokens.items() if count > 0}
+
+
+def weights(
+    tokens: Mapping[Payer, int], answered_seconds: float, unanswered: Mapping[Payer, float]
+) -> dict[Payer, float]:
+    """What each payer's share of an interval goes by: the tokens of its answered requests, plus, for its
+    requests that left unanswered, their `unanswered` seconds in flight times the tokens answered requests made
+    a second in flight (`answered_seconds` in all). With no tokens answered, the unanswered seconds alone."""
+    shares: dict[Payer, float] = {payer: float(count) for payer, count in tokens.items() if count > 0}
+    made = sum(shares.values())
+    if made and answered_seconds <= 0:
+        return shares  # no rate to weigh unanswered requests by
+    rate = made / answered_seconds if made else 1.0
+    for payer, seconds in unanswered.items():
+        if seconds > 0:
+            shares[payer] = shares.get(payer, 0.0) + seconds * rate
+    return shares
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ flight make room for it (LoRA adapters, `app.engine.ordering`); lines wait there
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
@@ -19,6 +20,27 @@ from app.domain.results import Body, Outcome, http_outcome
 
 class Executor(Protocol):
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]: ...
+
+
+class TimedExecutor:
+    """An executor that tells `on_left(seconds, answered)` of each request once it leaves the engine: its seconds
+    in flight, and whether it was answered (whatever its status) or not (withdrawn, cancelled, its engine dead).
+    A request aborted by cancelling its task counts as unanswered though vLLM's handler turns the abort into a
+    "client disconnected" answer."""
+
+    def __init__(self, executor: Executor, on_left: Callable[[float, bool], None]) -> None:
+        self._executor = executor
+        self._on_left = on_left
+
+    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
+        started = time.monotonic()
+        answered = False
+        try:
+            answer = await self._executor.execute(endpoint, body, rank)
+            answered = not _being_cancelled()
+            return answer
+        finally:
+            self._on_left(time.monotonic() - started, answered)
 
 
 class Place:

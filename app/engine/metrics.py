@@ -21,7 +21,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from app.domain.cost import SECONDS_AN_HOUR, apportion
+from app.domain.cost import SECONDS_AN_HOUR, apportion, weights
 from app.domain.results import Outcome
 
 # The label of every series about one batch: a tenant sees its own batches' series, and no other's id.
@@ -370,6 +370,8 @@ class EngineTime(Collector):
         self._busy_since: float | None = None  # while something is in flight: since when, or the last settling
         self._unpaid = 0.0  # busy seconds no tokens have paid for yet
         self._tokens: dict[Payer, int] = {}  # of requests finished since the last settling
+        self._answered_seconds = 0.0  # in flight, of requests answered since the last settling
+        self._unanswered: dict[Payer, float] = {}  # in flight, of requests that left unanswered since, by payer
         self._owed: dict[str, float] = {}  # each batch's GPU-seconds its run has not taken yet
         self._totals: dict[tuple[str, str, str], float] = {}  # (kind, key, model): GPU-seconds since start
 
@@ -394,6 +396,15 @@ class EngineTime(Collector):
             with self._lock:
                 self._tokens[payer] = self._tokens.get(payer, 0) + tokens
 
+    def timed(self, payer: Payer, seconds: float, *, answered: bool) -> None:
+        """A request's seconds in flight, once it has left the engine: answered (its tokens come to `used`), or not
+        (withdrawn, cancelled, its engine dead), when its seconds weigh for it (`app.domain.cost.weights`)."""
+        with self._lock:
+            if answered:
+                self._answered_seconds += seconds
+            else:
+                self._unanswered[payer] = self._unanswered.get(payer, 0.0) + seconds
+
     def take(self, batch_id: str) -> float:
         """The batch's GPU-seconds since its last take, settled up to now."""
         with self._lock:
@@ -411,10 +422,10 @@ class EngineTime(Collector):
             now = self._clock()
             self._unpaid += now - self._busy_since
             self._busy_since = now
-        shares = apportion(self._unpaid * self.devices, self._tokens)
+        shares = apportion(self._unpaid * self.devices, weights(self._tokens, self._answered_seconds, self._unanswered))
         if not shares:
             return
-        self._unpaid, self._tokens = 0.0, {}
+        self._unpaid, self._tokens, self._answered_seconds, self._unanswered = 0.0, {}, 0.0, {}
         for payer, seconds in shares.items():
             label = (payer.kind, payer.key, payer.model)
             self._totals[label] = self._totals.get(label, 0.0) + seconds

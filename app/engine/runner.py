@@ -37,7 +37,7 @@ from app.engine.ending import (
     record_unfinished,
     unserved,
 )
-from app.engine.execution import FixedSlots, run_lines
+from app.engine.execution import Executor, FixedSlots, TimedExecutor, run_lines
 from app.engine.feed import Turn
 from app.engine.intake import load_index, validate
 from app.engine.meter import RunMeter
@@ -257,7 +257,7 @@ class BatchRun:
             lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
             await run_lines(
                 failpoints.ARMED.held(lines, ctx.settings.data_dir),
-                executor=ctx.live,
+                executor=self._timed(ctx.live),
                 endpoint=self.row.endpoint,
                 slots=ctx.window,
                 workers=ctx.max_in_flight,
@@ -284,7 +284,7 @@ class BatchRun:
                 async with self.ctx.live.isolated() as executor:
                     await run_lines(
                         self._lines(group),
-                        executor=executor,
+                        executor=self._timed(executor),
                         endpoint=self.row.endpoint,
                         slots=FixedSlots(len(group)),
                         workers=len(group),
@@ -317,6 +317,14 @@ class BatchRun:
     async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict, int | None]]:
         for position, request in self.index.requests(self.input_path, positions):
             yield position, request, None
+
+    def _timed(self, executor: Executor) -> TimedExecutor:
+        """The lines' seconds in flight go to the engine's time: those of a line withdrawn or aborted are its
+        batch's to pay, though it tells no tokens (`app.domain.cost`)."""
+        engine_time = self.ctx.live.engine_time
+        return TimedExecutor(
+            executor, lambda seconds, answered: engine_time.timed(self.payer, seconds, answered=answered)
+        )
 
     def _record(self, position: int, outcome: Outcome) -> None:
         self.sink.record(position, outcome)
