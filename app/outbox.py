@@ -46,8 +46,8 @@ class Endpoints:
 
 
 def endpoints_from(settings: Settings) -> Endpoints:
-    """`VBATCH_WEBHOOK_URL` + `VBATCH_WEBHOOK_SECRET`, and `key url secret` lines of the keys file; ValueError for
-    a half-given or malformed one."""
+    """`VBATCH_WEBHOOK_URL` + `VBATCH_WEBHOOK_SECRET`, and `key url secret` lines of the keys file (checked as it is
+    read, `app.core.auth.key_file_entries`); ValueError for a half-given service endpoint or a malformed line."""
     if (settings.webhook_url is None) != (settings.webhook_secret is None):
         raise ValueError("set both VBATCH_WEBHOOK_URL and VBATCH_WEBHOOK_SECRET, or neither")
     default = None
@@ -55,8 +55,6 @@ def endpoints_from(settings: Settings) -> Endpoints:
         default = Endpoint(settings.webhook_url, settings.webhook_secret)
     by_owner = {}
     for fields in key_file_lines(settings.api_keys_file):
-        if len(fields) not in (1, 3):
-            raise ValueError("a line of the keys file is a key, or a key, its webhook URL and its whsec_ secret")
         if len(fields) == 3:
             by_owner[owner_of(fields[0])] = Endpoint(fields[1], fields[2])
     return Endpoints(default=default, by_owner=by_owner)

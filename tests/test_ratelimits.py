@@ -176,6 +176,34 @@ def test_a_bad_setting_is_refused_at_start_naming_its_line_not_its_key(tmp_path,
     assert stopped.value.code == 2 and says in caplog.text
 
 
+@pytest.mark.parametrize(
+    ("line", "says"),
+    [
+        ("sk-PRIVATE-b sk-PRIVATE-c sk-PRIVATE-d", "its webhook URL must be"),  # three keys on one line
+        ("sk-PRIVATE-b   # b's key", "this one has 4 words before its settings (a # comment takes a line of its own)"),
+        ("sk-PRIVATE-b http://hooks.example/x", "this one has 2 words"),
+        ("sk-PRIVATE-b ftp://hooks.example/x whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw", "its webhook URL must be"),
+        ("sk-PRIVATE-b https://hooks.example/x not-a-secret", "its secret whsec_"),
+        ("sk-PRIVATE-\u00fcn", "a key must be printable ASCII"),
+        ("sk-PRIVATE-a live_rpm=5", "its key is the key of line 1; give each key one line"),
+    ],
+)
+def test_a_malformed_key_line_is_refused_at_start_naming_its_line_and_no_word_of_it(tmp_path, caplog, line, says):
+    path = _keys(tmp_path, f"sk-PRIVATE-a live_rpm=1000\n\n{line}\n")
+    settings = Settings(data_dir=tmp_path / "data", api_keys_file=path)
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
+        check_binding(settings, insecure_no_auth=False)
+    assert stopped.value.code == 2 and says in caplog.text and "line 3" in caplog.text
+    assert "PRIVATE" not in caplog.text and "hooks.example" not in caplog.text
+
+
+def test_a_key_given_inline_must_be_printable_ascii(tmp_path):
+    with pytest.raises(ValueError) as refused:
+        Settings(data_dir=tmp_path / "data", api_keys="sk-fine,sk-PRIVATE-\u00fcn").read_api_keys()
+    assert "VBATCH_API_KEYS, key 2: a key must be printable ASCII" in str(refused.value)
+    assert "PRIVATE" not in str(refused.value)
+
+
 def test_the_service_limits_are_never_negative():
     with pytest.raises(ValueError):
         Settings(live_rpm=-5)

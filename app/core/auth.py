@@ -31,8 +31,19 @@ def read_keys(*, inline: str, path: Path | None) -> list[str]:
     """Keys from `VBATCH_API_KEYS` (comma-separated) and `VBATCH_API_KEYS_FILE` (one a line, `#` comments; a key
     may be followed on its line by its own webhook URL and secret, and by `name=value` settings of its own)."""
     keys = [k.strip() for k in inline.split(",")]
+    for number, key in enumerate((k for k in keys if k), start=1):
+        if not _sendable(key):
+            raise ValueError(f"VBATCH_API_KEYS, key {number}: {_NOT_SENDABLE}")
     keys += [line.fields[0] for line in key_file_entries(path)]
     return [k for k in keys if k]
+
+
+# An HTTP header carries a key: clients (httpx, the openai SDK) send ASCII only.
+_NOT_SENDABLE = "a key must be printable ASCII, as an HTTP header carries it"
+
+
+def _sendable(key: str) -> bool:
+    return key.isascii() and key.isprintable()
 
 
 # The settings a key may have on its line of the keys file, `name=value` after the key: its own limits on online
@@ -63,8 +74,10 @@ def key_settings(path: Path | None) -> dict[str, dict[str, int]]:
 
 
 def key_file_entries(path: Path | None) -> list[KeyLine]:
-    """The keys file read and checked; ValueError naming the line (never its key) for a setting that is unknown,
-    given twice or not a whole number of at least 0."""
+    """The keys file read and checked; ValueError naming the line (never a word of it): a key that is not printable
+    ASCII or that an earlier line has, a line of other than a key or a key, its webhook URL and its secret, a
+    webhook URL or secret that is not one, a setting that is unknown, given twice or not a whole number of at least
+    0."""
     if path is None:
         return []
     try:
@@ -72,9 +85,15 @@ def key_file_entries(path: Path | None) -> list[KeyLine]:
     except OSError as exc:
         raise ValueError(f"VBATCH_API_KEYS_FILE {path} cannot be read: {exc.strerror}") from None
     entries = []
+    first_line: dict[str, int] = {}
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip() and not line.lstrip().startswith("#"):
-            entries.append(_key_line(line.split(), f"VBATCH_API_KEYS_FILE {path}, line {number}"))
+            where = f"VBATCH_API_KEYS_FILE {path}, line {number}"
+            entry = _key_line(line.split(), where)
+            known = first_line.setdefault(digest(entry.fields[0]), number)
+            if known != number:
+                raise ValueError(f"{where}: its key is the key of line {known}; give each key one line")
+            entries.append(entry)
     return entries
 
 
@@ -95,7 +114,27 @@ def _key_line(words: list[str], where: str) -> KeyLine:
         if not value.isascii() or not value.isdigit() or len(value) > 15:
             raise ValueError(f"{where}: {name}= takes a whole number a minute, 0 for no limit; not {value[:40]!r}")
         settings[name] = int(value)
+    _check_fields(fields, where)
     return KeyLine(fields, settings)
+
+
+def _check_fields(fields: list[str], where: str) -> None:
+    if not _sendable(fields[0]):
+        raise ValueError(f"{where}: {_NOT_SENDABLE}")
+    if len(fields) not in (1, 3):
+        raise ValueError(
+            f"{where}: a line is a key, or a key, its webhook URL and its whsec_ secret, then its name=value "
+            f"settings; this one has {len(fields)} words before its settings (a # comment takes a line of its own)"
+        )
+    if len(fields) == 3:
+        from app.core.webhooks import Endpoint
+
+        try:
+            Endpoint(fields[1], fields[2])
+        except ValueError:
+            raise ValueError(
+                f"{where}: its webhook URL must be http(s)://host/... and its secret whsec_ and base64 after it"
+            ) from None
 
 
 def owner_of(key: str) -> str:
