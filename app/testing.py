@@ -75,7 +75,7 @@ class FakeExecutor:
         self.bodies.append(body)
         if body.get("seed") == 1:
             raise EngineDead("engine core died")
-        if body.get("max_tokens", 1) < 0:  # as vLLM: a streamed body it refuses is answered as JSON
+        if _negative_max_tokens(body):  # as vLLM: a streamed body it refuses is answered as JSON
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
         return self.stream(endpoint, body)
 
@@ -123,7 +123,7 @@ class FakeExecutor:
             raise EngineDead("engine core died")
         if body.get("stall") is True:
             await asyncio.Event().wait()
-        if body.get("max_tokens", 1) < 0:
+        if _negative_max_tokens(body):
             return 400, _error_body("max_tokens must be positive", "BadRequestError", "max_tokens")
         if body.get("server_error") is True:  # what vLLM answers when its handler raises
             return 500, _error_body("the handler failed", "InternalServerError", None, code=500)
@@ -213,6 +213,13 @@ def _stream_chunks(endpoint: str, body: dict) -> Iterator[dict]:
 
 def _event(chunk: dict) -> str:
     return f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+
+
+def _negative_max_tokens(body: dict) -> bool:
+    """What the fake refuses of `max_tokens`; another type (a string of digits, null) passes, as vLLM's lax request
+    model takes it."""
+    limit = body.get("max_tokens")
+    return isinstance(limit, int) and not isinstance(limit, bool) and limit < 0
 
 
 def fake_token_count(body: dict, endpoint: str = "/v1/chat/completions") -> int | None:

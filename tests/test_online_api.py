@@ -411,3 +411,21 @@ def test_the_engine_page_shows_online_rates_beside_the_batches(online, double):
     # Three answers in the last 10 s, each of 2 output tokens (their usage).
     assert "<td>0.3</td><td>0.6</td>" in online_row.replace("\n", "").replace(" ", "")
     assert "Batches (0 running)" in page
+
+
+@pytest.mark.parametrize("endpoint", ["/v1/chat/completions", "/v1/completions"])
+def test_a_stream_the_engine_cannot_finish_ends_as_vllm_ends_one(client, endpoint):
+    """An error event, then `[DONE]`, as vLLM's chat and completions generators send one after an error (a Responses
+    stream has none; the fake streams only these two)."""
+    wait_for(lambda: client.get("/v1/models").json()["data"])
+    body = {**BODIES[endpoint], "stream": True, "stream_dies": True}
+    with client.stream("POST", endpoint, json=body) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and '"error"' in events[-2]
+    assert sum(event == "data: [DONE]" for event in events) == 1
+
+
+def test_a_max_tokens_of_another_type_is_no_500(client):
+    wait_for(lambda: client.get("/v1/models").json()["data"])
+    for value in ("100", None):
+        assert client.post("/v1/chat/completions", json={**CHAT, "max_tokens": value}).status_code == 200

@@ -20,6 +20,10 @@ from app.engine.metrics import OnlineMetrics
 
 # What marks a streamed event that carries output, by endpoint: vLLM writes one such event a token by default.
 OUTPUT_MARKS = {"/v1/chat/completions": b'"delta"', "/v1/completions": b'"text"', "/v1/responses": b'.delta"'}
+# The endpoints whose streams end with `[DONE]`, after an error event too (vLLM's chat and completions generators
+# send it once their try block ends); a Responses stream has none.
+_DONE = b"data: [DONE]\n\n"
+_ENDS_WITH_DONE = ("/v1/chat/completions", "/v1/completions")
 
 
 class MeteredCall(Protocol):
@@ -50,6 +54,7 @@ class MeasuredEvents:
         self._usage: dict | None = None
         self._tail: list[bytes] = []
         self._closed = False
+        self._done_owed = call.endpoint in _ENDS_WITH_DONE  # until a [DONE] passes
 
     def __aiter__(self) -> MeasuredEvents:
         return self
@@ -63,17 +68,23 @@ class MeasuredEvents:
             event = await anext(self._events)
         except StopAsyncIteration:
             await self.aclose()
+            if self._done_owed:  # a stream cut after its error event (an engine or a worker gone): end it as vLLM does
+                self._done_owed = False
+                return _DONE
             raise
         except Exception as exc:
             log_unexpected("POST", self._call.endpoint, exc)
             await self.aclose()
-            self._tail = [stream_error_event(), b"data: [DONE]\n\n"]
+            self._tail = [stream_error_event(), *([_DONE] if self._done_owed else [])]
+            self._done_owed = False
             return self._tail.pop(0)
         self._seen(event)
         return event
 
     def _seen(self, event: bytes) -> None:
         metrics, call = self._call.metrics, self._call
+        if _DONE in event:
+            self._done_owed = False
         if self._mark in event:
             now = time.perf_counter()
             if self._last_output is None:
