@@ -74,6 +74,13 @@ def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engi
     assert client.get(f"/v1/batches/{batch['id']}/partial_output", params={"kind": "x"}).status_code == 400
     missing = client.get("/v1/batches/batch_nope/partial_output")
     assert missing.status_code == 404 and missing.json()["error"]["param"] is not None
+    # An ended batch whose file was deleted has no lines to show: a 404, not an empty answer.
+    assert client.delete(f"/v1/files/{done['output_file_id']}").status_code == 200
+    gone = client.get(f"/v1/batches/{batch['id']}/partial_output")
+    assert gone.status_code == 404 and done["output_file_id"] in gone.json()["error"]["message"]
+    assert client.get(f"/v1/batches/{batch['id']}/partial_output", params={"kind": "error"}).status_code == 200
+    assert client.delete(f"/v1/files/{done['error_file_id']}").status_code == 200
+    assert client.get(f"/console/batches/{batch['id']}").status_code == 200  # its page shows no error lines, no 404
 
 
 def test_start_sweeps_what_a_crash_left_and_keeps_the_rest(settings):

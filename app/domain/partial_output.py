@@ -15,11 +15,19 @@ from sqlalchemy.engine import Engine
 
 from app.core.storage import Storage, no_bytes
 from app.domain import batches
+from app.domain.errors import NotFound
 from app.domain.lifecycle import TERMINAL
 from app.domain.models import BatchRow
 from app.domain.results import part_names
 
 Kind = Literal["output", "error"]
+
+
+class ResultFileGone(NotFound):
+    """An ended batch's result file was deleted (or expired): its lines cannot be shown."""
+
+    def __init__(self, file_id: str) -> None:
+        super().__init__("File", file_id, param="batch_id")
 
 
 async def open_partial(
@@ -49,7 +57,10 @@ async def _open(storage: Storage, row: BatchRow, kind: Kind) -> tuple[AsyncItera
     """None: the batch ended meanwhile (its part file is gone)."""
     file_id = _file_of(row, kind)
     if file_id is not None:
-        return await storage.open_prefix(file_id)
+        opened = await storage.open_prefix(file_id)
+        if opened is None:  # deleted, or expired: an empty answer would say the batch had no such lines
+            raise ResultFileGone(file_id)
+        return opened
     if row.status in TERMINAL:
         return no_bytes(), 0
     part = part_names(row.id, row.parts_token)[0 if kind == "output" else 1]
@@ -77,8 +88,12 @@ def _joined(streams: list[tuple[AsyncIterator[bytes], int]]) -> tuple[AsyncItera
 async def first_lines(
     *, db: Engine, storage: Storage, batch_id: str, kind: Kind, owner: str, count: int, max_bytes: int = 256 * 1024
 ) -> list[dict]:
-    """The first `count` result lines written so far (those that fit in `max_bytes`), parsed."""
-    chunks, _ = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=owner)
+    """The first `count` result lines written so far (those that fit in `max_bytes`), parsed; none when the file
+    that held them was deleted."""
+    try:
+        chunks, _ = await open_partial(db=db, storage=storage, batch_id=batch_id, kind=kind, owner=owner)
+    except ResultFileGone:
+        return []
     head = bytearray()
     async for chunk in chunks:
         head.extend(chunk)
