@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
@@ -22,10 +23,13 @@ from sqlalchemy.engine import Engine
 
 from app.core import calls
 from app.core.config import Settings
-from app.core.db import make_engine
+from app.core.db import make_engine, session_scope
 from app.core.migrate import upgrade_to_head
 from app.domain import workers
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import BatchRow
 from app.domain.online import ONLINE_ENDPOINTS, EngineUnavailable, OnlineAnswer
+from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.service import EngineService
 from app.engine.view import WorkersView
@@ -383,3 +387,49 @@ def test_an_advertised_url_must_be_a_base_url():
     for wrong in ("10.0.0.7:8001", "ftp://host:1", "http://host:1/v1", "http://:8001"):
         with pytest.raises(ValueError, match="VBATCH_ADVERTISE_URL must be a base URL"):
             Settings(advertise_url=wrong)
+
+
+def _running_batch(db: Engine, batch_id: str, holder: str) -> None:
+    stats = RunStats(requests_per_second=23.8, output_tokens_per_second=190.0, eta_seconds=6.4, timeline={})
+    with session_scope(db) as session:
+        session.add(
+            BatchRow(
+                id=batch_id,
+                created_ns=time.time_ns(),
+                endpoint=CHAT,
+                input_file_id="file-x",
+                completion_window="24h",
+                status=BatchStatus.IN_PROGRESS,
+                created_at=int(time.time()),
+                lease_holder=holder,
+                lease_expires_ns=time.time_ns() + 30 * 10**9,
+                live_json=stats.model_dump_json(),
+            )
+        )
+        session.commit()
+
+
+def test_a_replica_shows_no_live_numbers_of_a_dead_workers_batch_and_says_down_once_its_workers_are_gone(settings):
+    never = WorkersView()
+    assert never.state == "starting"  # no worker has spoken yet
+    with workers_table(settings, worker("alive", None)) as db:
+        _running_batch(db, "batch_alive", "alive")
+        _running_batch(db, "batch_orphan", "dead")  # its worker was killed: its lease has not run out yet
+
+        async def scenario() -> tuple[object, object, str, str]:
+            view = WorkersView()
+            await view.start(db=db, storage=None, settings=settings)  # type: ignore[arg-type]
+            try:
+                alive = await asyncio.to_thread(view.live_stats, "batch_alive")
+                orphan = await asyncio.to_thread(view.live_stats, "batch_orphan")
+                before = await asyncio.to_thread(lambda: view.state)
+                await asyncio.to_thread(workers.forget, db=db, holder="alive")
+                view._read_at = 0.0  # read the table again now, not in a second
+                return alive, orphan, before, await asyncio.to_thread(lambda: view.state)
+            finally:
+                await view.stop()
+
+        alive, orphan, before, after = asyncio.run(scenario())
+    assert isinstance(alive, RunStats) and alive.eta_seconds == 6.4
+    assert orphan is None
+    assert (before, after) == ("ok", "down")

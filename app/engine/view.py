@@ -91,6 +91,7 @@ class WorkersView:
         self._read_at = 0.0
         self._finds_adapters = False  # whether `VBATCH_LORA_DIR` is set (`start`)
         self._seen: list[WorkerState] = []
+        self._ever_seen = False  # whether any worker has spoken since this replica started
         self._forwarder: Forwarder | None = None
 
     async def start(
@@ -118,6 +119,7 @@ class WorkersView:
                 assert self._db is not None
                 self._seen = workers.seen(db=self._db, within_seconds=SEEN_SECONDS)
                 self._read_at = time.monotonic()
+                self._ever_seen = self._ever_seen or bool(self._seen)
             return self._seen
 
     def _stale(self) -> bool:
@@ -125,7 +127,7 @@ class WorkersView:
 
     @property
     def state(self) -> State:
-        return _state_of(self.workers())
+        return _state_of(self.workers(), self._ever_seen)
 
     @property
     def served_models(self) -> list[str]:
@@ -162,13 +164,17 @@ class WorkersView:
         return b""  # each worker's engine series are on its own /metrics
 
     def live_stats(self, batch_id: str) -> RunStats | None:
-        """What the worker running it kept at its last checkpoint (a read; an API replica has no run to ask)."""
+        """What the worker running it kept at its last checkpoint (a read; an API replica has no run to ask); None
+        while no live worker holds it (its worker died: those numbers are not now's)."""
         if self._db is None:
             return None
         try:
-            return batches.stored_live(batches.get(db=self._db, batch_id=batch_id, owner=None))
+            row = batches.get(db=self._db, batch_id=batch_id, owner=None)
         except NotFound:
             return None
+        if row.lease_holder not in {worker.holder for worker in self.workers()}:
+            return None
+        return batches.stored_live(row)
 
     def live_rates(self) -> dict[str, tuple[float, float]]:
         return {}
@@ -184,7 +190,7 @@ class WorkersView:
             # An adapter of VBATCH_LORA_DIR no worker has loaded yet (the API found its folder): any worker loads it.
             able = self._forwarder.candidates(seen, None)
         if not able:
-            state = _state_of(seen)
+            state = _state_of(seen, self._ever_seen)
             raise EngineUnavailable(UNREACHABLE if state == "ok" else state)
         return await self._forwarder.forward(able, endpoint, body)
 
@@ -197,10 +203,11 @@ class WorkersView:
         """Workers hear of new work from the database (`db.announce_work`), or find it at their next poll."""
 
 
-def _state_of(seen: list[WorkerState]) -> State:
-    """`ok` while any worker's engine is; else the most hopeful state among them; `starting` with none yet."""
+def _state_of(seen: list[WorkerState], ever_seen: bool) -> State:
+    """`ok` while any worker's engine is; else the most hopeful state among them; with none, `starting` until a
+    worker has spoken, `down` once the workers there were have gone."""
     states = {worker.state for worker in seen}
     for state in ("ok", "restarting", "starting"):
         if state in states:
             return state  # type: ignore[return-value]
-    return "down" if states else "starting"
+    return "down" if states or ever_seen else "starting"
