@@ -10,6 +10,7 @@ import asyncio
 import functools
 import json
 import pickle
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,7 +27,9 @@ from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.adapters import Adapter, AdapterFinder, AdapterProblem
 from app.domain.validation import Limits, validate_file
 from app.engine.found_adapters import RECHECK_SECONDS, ClaimableAdapters
+from app.engine.holder import LeaseHolder
 from app.engine.service import EngineService
+from app.main import create_app
 from app.testing import FAKE_MODEL, FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
@@ -124,6 +127,28 @@ def test_an_online_request_may_name_an_adapter_no_batch_used_is_listed_after_and
     for unknown in ("nowhere", "../adapters/tuned", "not-a-folder"):
         refused = client.post("/v1/chat/completions", json={**body, "model": unknown})
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", unknown
+
+
+def test_an_adapter_named_online_as_soon_as_the_engine_is_up_is_listed_before_batches_are_looked_for(
+    settings: Settings, fake_engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
+):
+    """The engine is up (`/health` ok) a moment before the batch loop starts: held here until the request is done."""
+    held = threading.Event()
+
+    async def hold_first_look(self: object, db: object) -> None:
+        await asyncio.to_thread(held.wait)
+
+    monkeypatch.setattr(LeaseHolder, "release_dead", hold_first_look)
+    service = EngineService(fake_engine)
+    try:
+        with TestClient(create_app(settings, service)) as client:
+            wait_for(lambda: client.get("/health").status_code == 200)
+            body = {"model": "tuned", "messages": [{"role": "user", "content": "hi"}]}
+            assert client.post("/v1/chat/completions", json=body).status_code == 200
+            assert client.get("/v1/models/tuned").json()["parent"] == FAKE_MODEL
+            held.set()
+    finally:
+        held.set()
 
 
 # The finder's checks, alone.

@@ -22,10 +22,10 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock, logs
 from app.core.config import Settings
-from app.core.lora_dir import lora_dir
+from app.core.lora_dir import LoraDir, lora_dir
 from app.core.storage import Storage
 from app.domain import workers
-from app.domain.adapters import Adapter
+from app.domain.adapters import Adapter, AdapterFinder
 from app.domain.leases import Lease
 from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
@@ -68,6 +68,9 @@ class EngineService:
         self.adapters: list[Adapter] = list(adapters or [])
         self.served_models: list[str] = list(models or []) + [adapter.name for adapter in self.adapters]
         self._found: dict[str, Adapter] = {}  # adapters of `VBATCH_LORA_DIR` batches have run on (`announce`)
+        self._lora_dir: LoraDir | None = None  # `VBATCH_LORA_DIR` (`start`)
+        # How the engine that serves now finds adapters by name (None: no VBATCH_LORA_DIR, or no engine yet).
+        self.find_adapter: AdapterFinder | None = None
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
@@ -79,7 +82,7 @@ class EngineService:
         self._holder = LeaseHolder(
             self.runs,
             serves=lambda: self.served_models,
-            adapters=ClaimableAdapters(lambda: self._ctx.find_adapter if self._ctx is not None else None),
+            adapters=ClaimableAdapters(lambda: self.find_adapter),
         )
         # The batch window (`Context.window`, once there is one) hears of online traffic.
         self._online = OnlineRequests(
@@ -190,7 +193,7 @@ class EngineService:
         """An adapter of `VBATCH_LORA_DIR` an online request ran on is listed from now on, as one a batch ran on
         (`vllm serve` lists what its resolver loaded). The finder reads the disk or an object store: off the loop,
         once an adapter, since it is served after."""
-        finder = self._ctx.find_adapter if self._ctx is not None else None
+        finder = self.find_adapter
         if finder is None or not isinstance(model, str) or model in self.served_models:
             return
         try:
@@ -225,6 +228,7 @@ class EngineService:
         """Returns at once: the engine starts, and batches run, on the engine thread. It holds at most `hold_at_most`
         batches at once (None: every active batch, as `vbatch serve` alone does)."""
         self._holder.hold_at_most = hold_at_most
+        self._lora_dir = lora_dir(settings)
         self.url = self.url or settings.advertised_url
         self.metrics = metrics or Metrics()
         self.live.engine_time.price = settings.gpu_hour_price
@@ -295,9 +299,7 @@ class EngineService:
             runs=self.runs,
             shard_lines=0 if self._holder.hold_at_most is None else settings.shard_lines,
             batch_priority=schedules_by_priority(serving),
-            find_adapter=adapter_finder(
-                lora_dir(settings), base=self.served_models[0], engine_config=serving.engine_config
-            ),
+            find_adapter=self.find_adapter,
             announce=self.announce,
             max_loras=max_loras(serving),
         )
@@ -313,6 +315,8 @@ class EngineService:
         self._list_models(serving.served_models, serving.adapters)
         self.engine_config = dict(serving.engine_config)
         self.model_name = self.served_models[0]
+        # Before the engine is called ok: an online request may name an adapter of the folder at once.
+        self.find_adapter = adapter_finder(self._lora_dir, base=self.model_name, engine_config=serving.engine_config)
         return serving
 
     async def _stop_engine(self) -> None:
