@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import httpx
 from sqlalchemy.engine import Engine
 
-from app.core.auth import key_file_lines, owner_of
+from app.core.auth import key_file_entries, owner_of
 from app.core.config import Settings
 from app.core.webhooks import Endpoint, Refused, check_destination, send
 from app.domain import events
@@ -54,9 +54,9 @@ def endpoints_from(settings: Settings) -> Endpoints:
     if settings.webhook_url is not None and settings.webhook_secret is not None:
         default = Endpoint(settings.webhook_url, settings.webhook_secret)
     by_owner = {}
-    for fields in key_file_lines(settings.api_keys_file):
-        if len(fields) == 3:
-            by_owner[owner_of(fields[0])] = Endpoint(fields[1], fields[2])
+    for line in key_file_entries(settings.api_keys_file):
+        if line.webhook is not None:
+            by_owner[owner_of(line.fields[0])] = line.webhook
     return Endpoints(default=default, by_owner=by_owner)
 
 

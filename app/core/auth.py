@@ -9,8 +9,12 @@ import ipaddress
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core.errors import Unauthenticated
+
+if TYPE_CHECKING:
+    from app.core.webhooks import Endpoint
 
 # Files and batches made while no keys are configured belong to nobody in particular.
 ANONYMOUS = ""
@@ -56,10 +60,11 @@ _SETTING = re.compile(r"([a-z][a-z_]*)=(.*)")
 @dataclass(frozen=True)
 class KeyLine:
     """One line of the keys file: the key and what follows it in order (a webhook URL and secret), then the key's
-    own settings by name."""
+    own settings by name; `webhook`: the endpoint its URL and secret make, if it has them."""
 
     fields: list[str]
     settings: dict[str, int]
+    webhook: Endpoint | None = None
 
 
 def key_file_lines(path: Path | None) -> list[list[str]]:
@@ -114,11 +119,11 @@ def _key_line(words: list[str], where: str) -> KeyLine:
         if not value.isascii() or not value.isdigit() or len(value) > 15:
             raise ValueError(f"{where}: {name}= takes a whole number a minute, 0 for no limit; not {value[:40]!r}")
         settings[name] = int(value)
-    _check_fields(fields, where)
-    return KeyLine(fields, settings)
+    _check_shape(fields, where)
+    return KeyLine(fields, settings, _webhook(fields, where))
 
 
-def _check_fields(fields: list[str], where: str) -> None:
+def _check_shape(fields: list[str], where: str) -> None:
     if not _sendable(fields[0]):
         raise ValueError(f"{where}: {_NOT_SENDABLE}")
     if len(fields) not in (1, 3):
@@ -126,15 +131,21 @@ def _check_fields(fields: list[str], where: str) -> None:
             f"{where}: a line is a key, or a key, its webhook URL and its whsec_ secret, then its name=value "
             f"settings; this one has {len(fields)} words before its settings (a # comment takes a line of its own)"
         )
-    if len(fields) == 3:
-        from app.core.webhooks import Endpoint
 
-        try:
-            Endpoint(fields[1], fields[2])
-        except ValueError:
-            raise ValueError(
-                f"{where}: its webhook URL must be http(s)://host/... and its secret whsec_ and base64 after it"
-            ) from None
+
+def _webhook(fields: list[str], where: str) -> Endpoint | None:
+    """The endpoint a line's webhook URL and secret make (None: a key alone); ValueError naming the line for ones
+    that make none."""
+    if len(fields) != 3:
+        return None
+    from app.core.webhooks import Endpoint  # httpx and standardwebhooks: only for a file that names webhooks
+
+    try:
+        return Endpoint(fields[1], fields[2])
+    except ValueError:
+        raise ValueError(
+            f"{where}: its webhook URL must be http(s)://host/... and its secret whsec_ and base64 after it"
+        ) from None
 
 
 def owner_of(key: str) -> str:
