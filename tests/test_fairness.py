@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.core.config import Settings
 from app.domain import batches
-from app.engine.feed import FairFeed
+from app.engine.feed import Changes, FairFeed
 from app.testing import FakeEngine
 from tests.helpers import app_on, jsonl, request_line, wait_for
 
@@ -97,3 +97,55 @@ def test_fair_feed_passes_a_turn_on_when_its_waiter_is_cancelled():
         return order
 
     assert asyncio.run(scenario()) == ["c"]
+
+
+def _wait_for_turn(feed: FairFeed, changes: Changes, owner: str, ending) -> asyncio.Task:
+    return asyncio.create_task(
+        feed.turn_or_end(owner=owner, created_ns=2, batch_id=owner, changes=changes, deadline=None, ending=ending)
+    )
+
+
+def test_a_turn_granted_while_a_waiting_batch_learns_it_was_cancelled_is_passed_on():
+    """Seen in a full run: a shard waiting for its turn looked at its status after a change; while it looked, the
+    running batch ended and the turn came to it; it ended cancelled and kept the turn, and every later batch of that
+    worker waited for good."""
+
+    async def scenario() -> str:
+        feed, changes = FairFeed(), Changes()
+        running = await feed.turn(owner="a", created_ns=1, batch_id="running")
+
+        async def cancelled_while_the_turn_comes() -> str:
+            running.release()  # the turn goes to the waiter while it looks
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            return "cancelled"
+
+        waiting = _wait_for_turn(feed, changes, "b", cancelled_while_the_turn_comes)
+        await asyncio.sleep(0)
+        changes.notify()
+        assert await waiting == "cancelled"
+        later = await asyncio.wait_for(feed.turn(owner="c", created_ns=3, batch_id="later"), timeout=5)
+        return later.owner
+
+    assert asyncio.run(scenario()) == "c"
+
+
+def test_a_change_while_a_waiting_batch_looks_is_not_missed():
+    async def scenario() -> str:
+        feed, changes = FairFeed(), Changes()
+        await feed.turn(owner="a", created_ns=1, batch_id="running")  # keeps the turn throughout
+        looks: list[int] = []
+
+        async def cancelled_as_it_first_looks() -> str | None:
+            looks.append(1)
+            if len(looks) == 1:
+                changes.notify()  # the cancel lands while the first look reads a status from before it
+                return None
+            return "cancelled"
+
+        waiting = _wait_for_turn(feed, changes, "b", cancelled_as_it_first_looks)
+        await asyncio.sleep(0)
+        changes.notify()
+        return await asyncio.wait_for(waiting, timeout=5)
+
+    assert asyncio.run(scenario()) == "cancelled"

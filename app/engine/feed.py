@@ -13,7 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import heapq
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+Ended = TypeVar("Ended")
 
 
 @dataclass(order=True)
@@ -57,6 +62,42 @@ class FairFeed:
             raise
         return Turn(self, owner)
 
+    async def turn_or_end(
+        self,
+        *,
+        owner: str,
+        created_ns: int,
+        batch_id: str,
+        changes: Changes,
+        deadline: float | None,
+        ending: Callable[[], Awaitable[Ended | None]],
+    ) -> Turn | Ended:
+        """The turn; or what `ending` says the batch ends with, asked after each change (a batch created or
+        cancelled) and at `deadline` (unix seconds): a batch cancelled or expired while it waits ends without a turn.
+        A turn granted while it ends is passed on, never kept: a turn kept by a batch that has ended would leave
+        every later batch of this service waiting for good."""
+        turn = asyncio.ensure_future(self.turn(owner=owner, created_ns=created_ns, batch_id=batch_id))
+        kept = False
+        try:
+            changed = changes.watch()
+            while True:
+                left = None if deadline is None else max(0.0, deadline - time.time())
+                heard = asyncio.ensure_future(changed.wait())
+                await asyncio.wait([turn, heard], timeout=left, return_when=asyncio.FIRST_COMPLETED)
+                heard.cancel()
+                if turn.done():
+                    kept = True
+                    return turn.result()
+                changed = changes.watch()  # before `ending` looks: a change while it looks is not missed
+                if (ended := await ending()) is not None:
+                    return ended
+        finally:
+            if not turn.done():
+                turn.cancel()
+                await asyncio.gather(turn, return_exceptions=True)
+            elif not kept and not turn.cancelled() and turn.exception() is None:
+                turn.result().release()
+
     def waiting(self) -> int:
         # list() copies the values in one step, so another thread may call this while the loop changes the dict.
         return sum(len(queue) for queue in list(self._waiting.values()))
@@ -95,7 +136,8 @@ class FairFeed:
 
 
 class Changes:
-    """A broadcast: `wait` returns at the next `notify` after it was called."""
+    """A broadcast: `wait` returns at the next `notify` after it was called; the event `watch` gives is set by the
+    next `notify` after `watch`, however long after it is waited on."""
 
     def __init__(self) -> None:
         self._event = asyncio.Event()
@@ -103,6 +145,9 @@ class Changes:
     def notify(self) -> None:
         self._event.set()
         self._event = asyncio.Event()
+
+    def watch(self) -> asyncio.Event:
+        return self._event
 
     async def wait(self) -> None:
         await self._event.wait()

@@ -190,30 +190,26 @@ class BatchRun:
             for task in (ticker, work):
                 task.cancel()
             await asyncio.gather(ticker, work, return_exceptions=True)
+            turn.release()  # a run stopped before its feed began has not passed its turn on
 
     async def _wait_for_turn(self) -> Turn | BatchStatus:
         """The turn to feed the engine; or, if the batch is cancelled or expires first, the status it ends with.
         Waiting costs nothing: the batch looks at its status only when the service says something changed."""
-        ctx = self.ctx
-        turn = asyncio.ensure_future(
-            ctx.feed.turn(owner=self.row.owner, created_ns=self.row.created_ns, batch_id=self.row.id)
+        return await self.ctx.feed.turn_or_end(
+            owner=self.row.owner,
+            created_ns=self.row.created_ns,
+            batch_id=self.row.id,
+            changes=self.ctx.changes,
+            deadline=self.row.expires_at,
+            ending=self._ended_while_waiting,
         )
-        try:
-            while True:
-                changed = asyncio.ensure_future(ctx.changes.wait())
-                left = None if self.row.expires_at is None else max(0.0, self.row.expires_at - time.time())
-                await asyncio.wait([turn, changed], timeout=left, return_when=asyncio.FIRST_COMPLETED)
-                changed.cancel()
-                if turn.done():
-                    return turn.result()
-                if self._expired():
-                    return BatchStatus.EXPIRED
-                if (await self.run.stored()).status == BatchStatus.CANCELLING:
-                    return BatchStatus.CANCELLED
-        finally:
-            if not turn.done():
-                turn.cancel()
-                await asyncio.gather(turn, return_exceptions=True)
+
+    async def _ended_while_waiting(self) -> BatchStatus | None:
+        if self._expired():
+            return BatchStatus.EXPIRED
+        if (await self.run.stored()).status == BatchStatus.CANCELLING:
+            return BatchStatus.CANCELLED
+        return None
 
     async def _work(self, first_turn: Turn) -> None:
         """Every pending line to the engine; after an engine death, the lines it took with it first."""
