@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 from app.domain.adapters import Adapter
-from app.domain.estimates import SCORING, scored_texts
+from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
 from app.engine import frontends
 from app.engine.serving import EngineDead, Stream
 
@@ -222,18 +222,27 @@ def _negative_max_tokens(body: dict) -> bool:
     return isinstance(limit, int) and not isinstance(limit, bool) and limit < 0
 
 
-def fake_token_count(body: dict, endpoint: str = "/v1/chat/completions") -> int | None:
+def fake_tokens(body: dict, endpoint: str = "/v1/chat/completions") -> list[str] | None:
     """The fake's tokenizer: a prompt's whitespace-separated words (each message's, for a chat; each scored text's,
     for a scoring line); None for a body without a text prompt, as the real one cannot count a body its handler
     refuses."""
     if endpoint in SCORING:
         texts = scored_texts(endpoint, body)
-        return None if texts is None else sum(len(text.split()) for text in texts)
+        return None if texts is None else [word for text in texts for word in text.split()]
     messages = body.get("messages")
     if isinstance(messages, list):
-        return sum(len(str(m.get("content", "")).split()) for m in messages if isinstance(m, dict))
+        return [word for m in messages if isinstance(m, dict) for word in str(m.get("content", "")).split()]
     prompt = body.get("prompt", body.get("input"))
-    return len(prompt.split()) if isinstance(prompt, str) else None
+    return prompt.split() if isinstance(prompt, str) else None
+
+
+def fake_token_count(body: dict, endpoint: str = "/v1/chat/completions") -> int | None:
+    tokens = fake_tokens(body, endpoint)
+    return None if tokens is None else len(tokens)
+
+
+# The fake's prefix cache blocks, in words (vLLM's are 16 tokens).
+FAKE_BLOCK_SIZE = 4
 
 
 class FakeServing:
@@ -292,8 +301,17 @@ class FakeServing:
     def preemptions(self) -> int | None:
         return self.executor.preemptions
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
-        return [fake_token_count(body, endpoint) for body in bodies]
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
+        """As the real one counts: a scoring line's words, and no cache for them; the others' cached blocks of words."""
+        tokens = [fake_tokens(body, endpoint) for body in bodies]
+        prompts = [
+            None if words is None or endpoint in SCORING else (body.get("model"), words)
+            for body, words in zip(bodies, tokens, strict=True)
+        ]
+        cached = cached_prefix_tokens(prompts, FAKE_BLOCK_SIZE)
+        return [
+            None if words is None else PromptCount(len(words), hit) for words, hit in zip(tokens, cached, strict=True)
+        ]
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
         if endpoint not in self.endpoints:

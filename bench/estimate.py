@@ -59,6 +59,8 @@ def goals(sides: dict) -> list[str]:
         ok = off[key] is not None and abs(off[key]) <= 0.3
         lines.append(f"{key}: estimate {side['estimate'][key]}, actual {side['actual'][key]}, off {off[key]} "
                      f"(goal: within 30%): {'met' if ok else 'NOT met'}")  # fmt: skip
+    cached = (side["estimate"]["cached_tokens"], side["actual"]["cached_tokens"], off["cached_tokens"])
+    lines.append("cached tokens: estimate {}, actual {}, off {} (no goal)".format(*cached))
     big = sides.get("big_file") or {}
     if "seconds" in big:
         lines.append(f"estimate of {big['lines']} lines: {big['seconds']} s")

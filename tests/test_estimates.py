@@ -12,11 +12,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.domain import estimates
-from app.domain.input_index import PREFIX_CHARS
 from app.engine import frontends
 from app.engine.service import EngineService
 from app.main import create_app
-from app.testing import fake_frontends, fake_token_count
+from app.testing import FAKE_BLOCK_SIZE, fake_frontends, fake_token_count
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
 CHAT = "/v1/chat/completions"
@@ -34,19 +33,34 @@ def test_max_output_tokens_takes_the_line_limit_vllm_reads():
     assert estimates.max_output_tokens("/v1/embeddings", {"max_tokens": 9}, 10, 2048) == 0
 
 
-def test_lines_sharing_a_long_prefix_expect_it_cached_after_the_first():
-    shared = "x" * PREFIX_CHARS
-    bodies = [{"prompt": shared + " one"}, {"prompt": shared + " two"}, {"prompt": shared + " three"}]
-    lines = [estimates.line_of("/v1/completions", body, 400, 2048) for body in bodies]
-    lines.append(estimates.line_of("/v1/completions", {"prompt": "short"}, 3, 2048))
-    # The second and third: the shared characters' part of their 400 tokens.
-    expected = sum(400 * PREFIX_CHARS // len(body["prompt"]) for body in bodies[1:])
-    assert estimates.expected_cached_tokens(lines) == expected
-    assert 0 < expected < 800
+def test_a_prompt_expects_cached_the_whole_blocks_an_earlier_prompt_began_with():
+    system = list(range(40))  # two whole blocks of 16, and 8 tokens more
+    first, second = [*system, 100, 101], [*system, 200]
+    # The first finds nothing; the second the two blocks both begin with (not the third: it differs there).
+    assert estimates.cached_prefix_tokens([(None, first), (None, second)], 16) == [0, 32]
+    # A prompt seen whole keeps its last token to compute: 48 tokens in 3 blocks find 2 of them.
+    whole = list(range(48))
+    assert estimates.cached_prefix_tokens([(None, whole), (None, whole)], 16) == [0, 32]
+    # Blocks are known by every token before them: the same block after a different start is not found.
+    assert estimates.cached_prefix_tokens([(None, [1] * 16 + [2] * 20), (None, [3] * 16 + [2] * 20)], 16) == [0, 0]
+
+
+def test_prompts_of_two_adapters_or_salts_share_no_block():
+    prompt = list(range(40))
+    prompts = [("adapter-a", prompt), ("adapter-b", prompt), ("adapter-a", prompt), None]
+    assert estimates.cached_prefix_tokens(prompts, 16) == [0, 0, 32, 0]
+
+
+def test_the_estimate_sums_the_lines_cached_tokens_and_their_share():
+    lines = [estimates.line_of(CHAT, {}, estimates.PromptCount(40, cached), 2048) for cached in (0, 32, 32)]
+    found = estimates.estimate(
+        estimates.Asked("f", CHAT, "m"), 3, lines, estimates.history_of([]), estimates.Pricing(1, None)
+    )
+    assert (found.expected_cached_tokens, found.expected_cached_share) == (64, round(64 / 120, 4))
 
 
 def test_without_history_the_rate_is_unknown_and_nothing_is_priced():
-    lines = [estimates.line_of(CHAT, {"max_tokens": 10}, 20, 2048)] * 4
+    lines = [estimates.line_of(CHAT, {"max_tokens": 10}, estimates.PromptCount(20), 2048)] * 4
     history = estimates.history_of([])
     found = estimates.estimate(
         estimates.Asked("file-1", CHAT, "m"), 4, lines, history, estimates.Pricing(gpus=1, gpu_hour_price=2.0)
@@ -58,7 +72,7 @@ def test_without_history_the_rate_is_unknown_and_nothing_is_priced():
 
 def test_with_history_output_and_eta_follow_it_and_the_price_gives_a_cost():
     history = estimates.History(["b1", "b2"], lines=10, input_tokens=500, output_tokens=300, run_seconds=6.0)
-    lines = [estimates.line_of(CHAT, {}, 20, 2048)] * 20
+    lines = [estimates.line_of(CHAT, {}, estimates.PromptCount(20), 2048)] * 20
     pricing = estimates.Pricing(gpus=2, gpu_hour_price=3.6)
     found = estimates.estimate(estimates.Asked("file-1", CHAT, "m"), 20, lines, history, pricing)
     assert found.expected_output_tokens == 600  # 30 a line
@@ -72,7 +86,7 @@ def test_with_history_output_and_eta_follow_it_and_the_price_gives_a_cost():
 
 def test_embeddings_are_timed_by_their_input_tokens():
     history = estimates.History(["b1"], lines=10, input_tokens=1000, output_tokens=0, run_seconds=2.0)
-    lines = [estimates.line_of("/v1/embeddings", {"input": "a b"}, 50, 2048)] * 10
+    lines = [estimates.line_of("/v1/embeddings", {"input": "a b"}, estimates.PromptCount(50), 2048)] * 10
     found = estimates.estimate(
         estimates.Asked("f", "/v1/embeddings", "m"), 10, lines, history, estimates.Pricing(1, None)
     )
@@ -115,6 +129,19 @@ def test_the_estimate_counts_with_the_engine_and_creates_nothing(client):
     assert found["expected_output_tokens"] is None and found["eta_seconds"] is None
     assert found["basis"]["rate"] == "unknown" and found["cost_usd"] is None
     assert client.get("/v1/batches").json()["data"] == []
+
+
+def test_lines_that_share_a_system_prompt_expect_it_cached_after_the_first(client):
+    _ready(client)
+    system = "you label support tickets by their topic"  # 7 words: one whole block of the fake's 4
+    lines = [request_line(f"r{i}") for i in range(5)]
+    for i, line in enumerate(lines):
+        line["body"]["messages"] = [{"role": "system", "content": system}, {"role": "user", "content": f"{i} ticket"}]
+    found = _estimate(client, upload(client, jsonl(lines))["id"]).json()
+    assert found["prompt_tokens"] == 5 * 9
+    # Each after the first finds the block of 4 words they all begin with; the second block differs from line to line.
+    assert found["expected_cached_tokens"] == 4 * FAKE_BLOCK_SIZE
+    assert found["expected_cached_share"] == round(16 / 45, 4)
 
 
 def test_after_a_batch_the_estimate_expects_what_it_did(client):
@@ -189,11 +216,17 @@ def test_front_end_processes_count_in_parts_and_keep_the_order(monkeypatch):
     monkeypatch.setattr(frontends, "COUNT_PART", 3)
     bodies = [{"messages": [{"role": "user", "content": "w " * i}]} for i in range(10)] + [{"prompt": 5}]
 
-    async def count() -> list[int | None]:
+    async def count() -> list[estimates.PromptCount | None]:
         async with fake_frontends(2) as pool:
             return await pool.count_tokens(CHAT, bodies)
 
-    assert asyncio.run(count()) == [*range(10), None]
+    counted = asyncio.run(count())
+    assert [None if c is None else c.tokens for c in counted] == [*range(10), None]
+    # Parts 0-2, 3-5, 6-8 and 9-10 are counted apart: a prompt finds cached only the whole blocks (4 words) that an
+    # earlier prompt of its own part began with, short of its last word (6 words find nothing: 4 and 5 were counted
+    # in another part).
+    assert FAKE_BLOCK_SIZE == 4
+    assert [c.cached for c in counted[:10]] == [0, 0, 0, 0, 0, 4, 0, 4, 4, 0]
 
 
 def test_a_worker_view_says_token_counts_are_unknown():
@@ -224,7 +257,7 @@ def test_scoring_expects_no_output_and_is_timed_by_its_input_tokens():
     for endpoint in estimates.SCORING:
         assert estimates.max_output_tokens(endpoint, {"max_tokens": 5}, 10, 100) == 0
         history = estimates.History(["batch_s"], lines=10, input_tokens=400, output_tokens=0, run_seconds=4.0)
-        lines = [estimates.line_of(endpoint, {}, 40, 100)] * 10
+        lines = [estimates.line_of(endpoint, {}, estimates.PromptCount(40), 100)] * 10
         answer = estimates.estimate(
             estimates.Asked("file-1", endpoint, "m"), 10, lines, history, estimates.Pricing(1, None)
         )

@@ -10,8 +10,7 @@ and an ETA close to what it will do. Without such a batch both are null, and the
 from __future__ import annotations
 
 import json
-from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.engine import Engine
@@ -19,7 +18,6 @@ from sqlmodel import col, select
 
 from app.core.db import session_scope
 from app.domain.cost import cost_usd
-from app.domain.input_index import PREFIX_CHARS, leading_text, prefix_digest
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.schemas import BatchErrors, BatchEstimate, EstimateBasis
@@ -56,24 +54,52 @@ def scored_texts(endpoint: str, body: dict) -> list[str] | None:
 
 
 @dataclass(frozen=True)
+class PromptCount:
+    """One line's prompt as the engine would take it: its tokens, and how many of them its prefix cache is expected
+    to hold when the line runs (`cached_prefix_tokens`)."""
+
+    tokens: int
+    cached: int = 0
+
+
+def cached_prefix_tokens(prompts: Iterable[tuple[Hashable, Sequence[Hashable]] | None], block_size: int) -> list[int]:
+    """For each (salt, token ids) in order, the tokens vLLM's automatic prefix cache would give it from the prompts
+    before it, found as the engine finds them: whole blocks of `block_size` tokens from the start, each known by every
+    token up to its end and by the salt (a LoRA adapter, a `cache_salt`: prompts of two never share a block), and
+    never the last token, which the engine always computes. It takes the cache to keep every block the prompts share
+    (a cache smaller than those does not); lines that run together share as the engine's steps do: a block is
+    cached once scheduled."""
+    seen: set[int] = set()
+    cached = []
+    for prompt in prompts:
+        hits = 0
+        if prompt is not None:
+            salt, tokens = prompt
+            key, matching = hash(salt), True
+            for end in range(block_size, len(tokens) + 1, block_size):
+                key = hash((key, *tokens[end - block_size : end]))
+                matching = matching and end < len(tokens) and key in seen
+                hits += matching
+                seen.add(key)
+        cached.append(hits * block_size)
+    return cached
+
+
+@dataclass(frozen=True)
 class Line:
     """What the estimate needs of one request line."""
 
     prompt_tokens: int
     # Output tokens the line allows at most (its limit, or the context left after the prompt), all choices together.
     max_output_tokens: int
-    # Characters of its leading text, and their digest when long enough to share a cached prefix (`input_index`).
-    leading_chars: int
-    digest: bytes | None
+    cached_tokens: int
 
 
-def line_of(endpoint: str, body: dict, prompt_tokens: int, max_model_len: int) -> Line:
-    text = leading_text(body)
+def line_of(endpoint: str, body: dict, count: PromptCount, max_model_len: int) -> Line:
     return Line(
-        prompt_tokens=prompt_tokens,
-        max_output_tokens=max_output_tokens(endpoint, body, prompt_tokens, max_model_len),
-        leading_chars=len(text),
-        digest=prefix_digest(body),
+        prompt_tokens=count.tokens,
+        max_output_tokens=max_output_tokens(endpoint, body, count.tokens, max_model_len),
+        cached_tokens=count.cached,
     )
 
 
@@ -87,21 +113,6 @@ def max_output_tokens(endpoint: str, body: dict, prompt_tokens: int, max_model_l
     n = body.get("n")
     choices = n if isinstance(n, int) else 1
     return (room if limit is None else min(limit, room)) * choices
-
-
-def expected_cached_tokens(lines: Sequence[Line]) -> int:
-    """Lines that share a digest share at least their first PREFIX_CHARS characters: after the first of them, that
-    part of each one's prompt (its tokens in proportion to its characters) is expected from the prefix cache. A lower
-    bound: a shared chat template or a prefix longer than PREFIX_CHARS caches more."""
-    seen: Counter[bytes] = Counter()
-    cached = 0
-    for line in lines:
-        if line.digest is None:
-            continue
-        if seen[line.digest]:
-            cached += line.prompt_tokens * PREFIX_CHARS // max(line.leading_chars, PREFIX_CHARS)
-        seen[line.digest] += 1
-    return cached
 
 
 @dataclass(frozen=True)
@@ -208,7 +219,7 @@ def estimate(
     per_line = history.output_per_line() if generates else 0.0
     expected = None if per_line is None else round(per_line * line_count)
     prompt = None if lines is None else sum(line.prompt_tokens for line in lines)
-    cached = None if lines is None else expected_cached_tokens(lines)
+    cached = None if lines is None else sum(line.cached_tokens for line in lines)
     rate = history.tokens_per_second(generates)
     work = expected if generates else prompt
     eta = None if rate is None or work is None else work / rate

@@ -85,6 +85,11 @@ def _bodies(report: Report, path: Path) -> list[dict]:
     return [request["body"] for _, request in report.index.requests(path, range(len(report.index)))]
 
 
-def _lines(endpoint: str, bodies: list[dict], counts: list[int | None], context: int) -> list[estimates.Line]:
+def _lines(
+    endpoint: str, bodies: list[dict], counts: list[estimates.PromptCount | None], context: int
+) -> list[estimates.Line]:
     """A line the tokenizer could not count (its handler would refuse it) counts no prompt tokens."""
-    return [estimates.line_of(endpoint, body, count or 0, context) for body, count in zip(bodies, counts, strict=True)]
+    nothing = estimates.PromptCount(0)
+    return [
+        estimates.line_of(endpoint, body, count or nothing, context) for body, count in zip(bodies, counts, strict=True)
+    ]

@@ -40,6 +40,7 @@ import zmq
 import zmq.asyncio
 
 from app.domain.adapters import Adapter
+from app.domain.estimates import PromptCount
 from app.domain.online import error_event
 from app.domain.results import Body, EncodedBody, encode_body
 from app.engine.serving import EngineDead, Serving, Stream
@@ -218,14 +219,14 @@ class FrontendPool:
             return False
         return all(answers)
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         """In parts of `COUNT_PART` bodies, each sent to the front end least busy then: a large file is counted by
         every front end at once, the busiest last."""
         parts = [bodies[start : start + COUNT_PART] for start in range(0, len(bodies), COUNT_PART)]
         counted = await asyncio.gather(*(self._ask_count(endpoint, part) for part in parts))
         return [count for part in counted for count in part]
 
-    async def _ask_count(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def _ask_count(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         frontend = self._least_busy()
         request_id = next(self._ids)
         answer = asyncio.get_running_loop().create_future()

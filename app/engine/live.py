@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Literal
 
+from app.domain.estimates import PromptCount
 from app.domain.results import Body
 from app.engine.execution import Executor
 from app.engine.metrics import EngineTime
@@ -77,7 +78,7 @@ class LiveEngine:
             raise EngineDead("the engine is not running")
         return await serving.respond(endpoint, body)
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         """Prompt tokens of each body (`Serving.count_tokens`), beside the batch lines like an online request."""
         serving = self._serving
         if serving is None or self.state != "ok":

@@ -26,6 +26,7 @@ from app.core.lora_dir import LoraDir, lora_dir
 from app.core.storage import Storage
 from app.domain import workers
 from app.domain.adapters import Adapter, AdapterFinder
+from app.domain.estimates import PromptCount
 from app.domain.leases import Lease
 from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
@@ -204,7 +205,7 @@ class EngineService:
         if isinstance(found, Adapter):
             self.announce([found])
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None] | None:
         """On the caller's loop: each body's prompt tokens, counted from the engine thread's loop, which hands the
         work off itself (`Serving.count_tokens`). Raises EngineUnavailable unless the engine is ok."""
         loop = self._bridge.loop

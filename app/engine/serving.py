@@ -12,6 +12,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
 from app.domain.adapters import Adapter
+from app.domain.estimates import PromptCount
 from app.domain.results import Body
 
 log = logging.getLogger("vbatch.engine")
@@ -63,7 +64,7 @@ class Serving(Protocol):
 
     async def is_alive(self) -> bool: ...
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         """Each body's prompt tokens as the serving layer would give them to the engine at `endpoint` (the served
         model's tokenizer, a chat's template applied); None for a body it cannot count. Off the engine's loop: in
         front-end processes, or a thread."""
@@ -163,7 +164,7 @@ class _Poisoned:
     async def is_alive(self) -> bool:
         return await self._serving.is_alive()
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         return await self._serving.count_tokens(endpoint, bodies)
 
     def generated_tokens(self) -> int | None:

@@ -17,6 +17,7 @@ from app.core.storage import Storage
 from app.domain import batches, workers
 from app.domain.adapters import Adapter
 from app.domain.errors import NotFound
+from app.domain.estimates import PromptCount
 from app.domain.online import EngineUnavailable, OnlineAnswer
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
@@ -63,7 +64,7 @@ class EngineView(Protocol):
         when no engine can answer it now."""
         ...
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None] | None:
         """Each body's prompt tokens on the served model's tokenizer (None for one it cannot count); None when no
         engine here counts (an API replica). Raises EngineUnavailable when the engine is not up."""
         ...
@@ -194,7 +195,7 @@ class WorkersView:
             raise EngineUnavailable(UNREACHABLE if state == "ok" else state)
         return await self._forwarder.forward(able, endpoint, body)
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None] | None:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None] | None:
         """Unknown: an API replica has no tokenizer, and a worker's front ends are its batches' (an estimate here
         gives what needs no count, and says its token counts are unknown)."""
         return None

@@ -27,7 +27,7 @@ from starlette.requests import Request
 
 from app.core.lora_dir import LoraDir
 from app.domain.adapters import Adapter, AdapterProblem
-from app.domain.estimates import SCORING, scored_texts
+from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
 from app.engine.found_adapters import adapter_finder
@@ -264,16 +264,30 @@ class ServingLayer:
             return 200, result.model_dump(mode="json", by_alias=True)
         return self._error(ValueError("Streaming is not supported in a batch: remove 'stream'."))
 
-    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[int | None]:
+    async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         """vLLM's own tokenization serving (`/tokenize`'s: the chat template applied as the chat handler applies it),
         on a thread with a loop of its own, so that a large file's templates never hold up the lines this layer
-        serves; the renderer it calls keeps no state bound to a loop, and tokenizes on its own executor."""
+        serves; the renderer it calls keeps no state bound to a loop, and tokenizes on its own executor. With the
+        engine's prefix cache on, what of each prompt the lines before it leave cached (`cached_prefix_tokens`)."""
         tokenization = getattr(self._state, "serving_tokenization", None) or getattr(
             self._state, "openai_serving_tokenization", None
         )
         if tokenization is None:
             return [None] * len(bodies)
-        return await asyncio.to_thread(asyncio.run, _count_all(tokenization, endpoint, bodies))
+        counted = await asyncio.to_thread(asyncio.run, _count_all(tokenization, endpoint, bodies))
+        cache = self.engine_client.vllm_config.cache_config
+        salts = [self._cache_salt(body) for body in bodies]
+        prompts = [None if ids is None else (salt, ids) for salt, (_, ids) in zip(salts, counted, strict=True)]
+        cached = cached_prefix_tokens(prompts, cache.block_size) if cache.enable_prefix_caching else [0] * len(bodies)
+        return [None if n is None else PromptCount(n, hit) for (n, _), hit in zip(counted, cached, strict=True)]
+
+    def _cache_salt(self, body: dict) -> tuple[str | None, object]:
+        """What keeps two prompts' blocks apart in the cache: the LoRA adapter a line names, and its `cache_salt`."""
+        model = body.get("model")
+        adapter = (
+            None if not isinstance(model, str) or self._state.openai_serving_models.is_base_model(model) else model
+        )
+        return adapter, body.get("cache_salt")
 
     def generated_tokens(self) -> int | None:
         """vLLM's own counter (`vllm:generation_tokens`, the one `vllm serve` exports), summed over engines."""
@@ -313,30 +327,36 @@ _CHAT_TEMPLATE_FIELDS = (
 )
 
 
-async def _count_all(tokenization: Any, endpoint: str, bodies: list[dict]) -> list[int | None]:
-    counts: list[int | None] = []
+async def _count_all(tokenization: Any, endpoint: str, bodies: list[dict]) -> list[Counted]:
+    counts: list[Counted] = []
     for start in range(0, len(bodies), COUNT_CONCURRENCY):
         part = bodies[start : start + COUNT_CONCURRENCY]
         counts += await asyncio.gather(*(_count(tokenization, endpoint, body) for body in part))
     return counts
 
 
-async def _count(tokenization: Any, endpoint: str, body: dict) -> int | None:
-    """One body's prompt tokens on the base model's tokenizer (an adapter shares it); None if it cannot be counted.
-    A scoring line's pairs count each text tokenized apart: a cross-encoder that joins a pair counts one special
-    token less a pair."""
+# A prompt's tokens (None: it cannot be counted) and their ids where the engine's prefix cache would see them.
+Counted = tuple[int | None, list[int] | None]
+
+
+async def _count(tokenization: Any, endpoint: str, body: dict) -> Counted:
+    """One body's prompt tokens on the base model's tokenizer (an adapter shares it). A scoring line's pairs count
+    each text tokenized apart (a cross-encoder that joins a pair counts one special token less a pair), with no ids:
+    its prompts are not the texts'."""
     if endpoint in SCORING:
         texts = scored_texts(endpoint, body)
-        counts = [await _count_shape(tokenization, {"prompt": text}) for text in texts or []]
-        return sum(counts) if texts and None not in counts else None  # type: ignore[arg-type]
+        counts = [(await _tokenize(tokenization, {"prompt": text}))[0] for text in texts or []]
+        return (sum(counts) if texts and None not in counts else None), None  # type: ignore[arg-type]
     shaped = _tokenize_shape(endpoint, body)
-    return await _count_shape(tokenization, shaped)
+    if isinstance(shaped, list):
+        return len(shaped), shaped
+    return await _tokenize(tokenization, shaped)
 
 
-async def _count_shape(tokenization: Any, shaped: dict | int | None) -> int | None:
+async def _tokenize(tokenization: Any, shaped: dict | None) -> Counted:
     protocol = _first_module("vllm.entrypoints.serve.tokenize.protocol", "vllm.entrypoints.openai.protocol")
-    if shaped is None or isinstance(shaped, int):
-        return shaped
+    if shaped is None:
+        return None, None
     try:
         if "messages" in shaped:
             request = protocol.TokenizeChatRequest.model_validate(shaped)
@@ -344,13 +364,13 @@ async def _count_shape(tokenization: Any, shaped: dict | int | None) -> int | No
             request = protocol.TokenizeCompletionRequest.model_validate(shaped)
         answer = await tokenization.create_tokenize(request, None)
     except Exception:  # a body the handler would refuse: its line fails when it runs, and is not counted here
-        return None
-    count = getattr(answer, "count", None)
-    return count if isinstance(count, int) else None
+        return None, None
+    count, ids = getattr(answer, "count", None), getattr(answer, "tokens", None)
+    return (count, ids if isinstance(ids, list) else None) if isinstance(count, int) else (None, None)
 
 
-def _tokenize_shape(endpoint: str, body: dict) -> dict | int | None:
-    """The /tokenize body that gives `body`'s prompt at `endpoint` (a count, for a prompt of token ids)."""
+def _tokenize_shape(endpoint: str, body: dict) -> dict | list[int] | None:
+    """The /tokenize body that gives `body`'s prompt at `endpoint` (the ids, for a prompt of token ids)."""
     if endpoint == "/v1/chat/completions" or (endpoint == "/v1/embeddings" and "messages" in body):
         chat = {name: body[name] for name in _CHAT_TEMPLATE_FIELDS if name in body}
         return chat if endpoint != "/v1/embeddings" else {"add_generation_prompt": False, **chat}
@@ -358,7 +378,7 @@ def _tokenize_shape(endpoint: str, body: dict) -> dict | int | None:
     if isinstance(prompt, list) and len(prompt) == 1:
         prompt = prompt[0]
     if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
-        return len(prompt)
+        return prompt
     if not isinstance(prompt, str):
         return None
     if endpoint == "/v1/responses":  # the Responses handler's messages: its instructions, then its input

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import json
+import uuid
 from pathlib import Path
 
 from openai import OpenAI
@@ -63,3 +64,27 @@ def test_the_tickets_estimate_matches_what_the_batch_did(openai_client, server, 
     assert abs(after["expected_output_tokens"] - second_usage["output_tokens"]) <= 0.3 * second_usage["output_tokens"]
     assert abs(after["eta_seconds"] - second_seconds) <= 0.3 * second_seconds
     assert len(second) == TICKETS
+
+
+def test_a_shared_instruction_is_expected_cached_as_the_engine_caches_it(openai_client, tmp_path: Path):
+    """Lines that begin with the same long instruction: after the first, the engine's prefix cache gives each the
+    whole blocks of it (128 tokens a block on the CPU), and the estimate expects the same. A nonce of this run first,
+    so that no earlier test's prompts have left it cached."""
+    instruction = f"Run {uuid.uuid4().hex}. " + "Label the support ticket below by its topic, one word. " * 30
+    lines = [
+        {"custom_id": f"t{i}", "method": "POST", "url": CHAT, "body": {
+            "model": MODEL, "max_tokens": 1, "messages": [
+                {"role": "system", "content": instruction}, {"role": "user", "content": f"Ticket {i}: login fails."}]}}
+        for i in range(12)
+    ]  # fmt: skip
+    path = tmp_path / "instructed.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    uploaded = openai_client.files.create(file=("instructed.jsonl", path.read_bytes()), purpose="batch")
+    expected = _estimate(openai_client, uploaded.id)
+    batch = openai_client.batches.create(input_file_id=uploaded.id, endpoint=CHAT, completion_window="24h")
+    done = wait_terminal(openai_client, batch.id)
+    actual = done.usage.model_dump()["input_tokens_details"]["cached_tokens"]
+    print("cached tokens, estimate vs actual (CPU):", expected["expected_cached_tokens"], actual)
+    assert expected["prompt_tokens"] == done.usage.input_tokens
+    assert expected["expected_cached_tokens"] > 0 and expected["expected_cached_share"] > 0.5
+    assert abs(expected["expected_cached_tokens"] - actual) <= 0.1 * expected["expected_cached_tokens"]
