@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from contextlib import asynccontextmanager
+from types import SimpleNamespace
 
 import pytest
 from fastapi.testclient import TestClient
@@ -82,6 +83,20 @@ def test_with_history_output_and_eta_follow_it_and_the_price_gives_a_cost():
     assert found.cost_usd == pytest.approx(24.0 / 3600 * 3.6)
     unpriced = estimates.estimate(estimates.Asked("file-1", CHAT, "m"), 20, lines, history, estimates.Pricing(1, None))
     assert unpriced.cost_usd is None and unpriced.gpu_seconds == pytest.approx(12.0)
+
+
+def test_the_rate_comes_from_batches_that_filled_the_engine_as_the_file_will():
+    warm_up, full = SimpleNamespace(id="warm-up", completed=8), SimpleNamespace(id="full", completed=2000)
+    rows = [warm_up, full]
+
+    def chosen(lines: int, wave: int | None) -> list[str]:
+        return [row.id for row in estimates.comparable(rows, lines=lines, wave=wave)]
+
+    assert chosen(20_000, 1024) == ["full"]  # a wave of lines, as the file will run
+    assert chosen(100, 1024) == ["full"]  # as many as the file has
+    assert chosen(5, 1024) == ["warm-up", "full"]
+    assert chosen(20_000, None) == ["warm-up", "full"]  # the engine's wave unknown
+    assert [row.id for row in estimates.comparable([warm_up], lines=20_000, wave=1024)] == ["warm-up"]  # none full
 
 
 def test_embeddings_are_timed_by_their_input_tokens():

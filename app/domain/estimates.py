@@ -149,9 +149,12 @@ def history_of(rows: Sequence[BatchRow]) -> History:
     )
 
 
-def recent_history(*, db: Engine, model: str | None, endpoint: str, limit: int = HISTORY_BATCHES) -> History:
+def recent_history(
+    *, db: Engine, model: str | None, endpoint: str, lines: int, wave: int | None, limit: int = HISTORY_BATCHES
+) -> History:
     """The newest completed batches of `model` and `endpoint` that ran lines and timed their run (shards are counted
-    through their parent: a parent's totals are its shards' summed)."""
+    through their parent: a parent's totals are its shards' summed), of those the ones comparable to a file of
+    `lines` (`comparable`)."""
     with session_scope(db) as session:
         statement = (
             select(BatchRow)
@@ -167,7 +170,19 @@ def recent_history(*, db: Engine, model: str | None, endpoint: str, limit: int =
             .limit(limit)
         )
         rows = list(session.exec(statement).all())
-    return history_of([row for row in rows if run_seconds(row.timeline_json) > 0])
+    timed = [row for row in rows if run_seconds(row.timeline_json) > 0]
+    return history_of(comparable(timed, lines=lines, wave=wave))
+
+
+def comparable(rows: Sequence[BatchRow], *, lines: int, wave: int | None) -> list[BatchRow]:
+    """The batches that kept the engine as full as a file of `lines` will: at least a wave of lines (the requests
+    the engine runs at once), or as many as the file has. A batch of a few lines runs at a fraction of a full
+    engine's rate, and would make a large file's ETA long (on an H100, an 8-line warm-up beside a 2,000-line batch
+    took 21% off the rate). All of them where none is."""
+    if not wave:
+        return list(rows)
+    full = [row for row in rows if row.completed >= min(lines, wave)]
+    return full or list(rows)
 
 
 def gpu_seconds(run_seconds: float, gpus: int) -> float:

@@ -68,11 +68,20 @@ async def of_checked(
         return estimates.refused(asked, report.total, BatchErrors(data=report.errors), pricing)
     bodies = await asyncio.to_thread(_bodies, report, path)
     counts = await engine.count_tokens(endpoint, bodies)
-    history = await asyncio.to_thread(estimates.recent_history, db=db, model=model, endpoint=endpoint)
+    history = await asyncio.to_thread(
+        estimates.recent_history, db=db, model=model, endpoint=endpoint, lines=report.total, wave=_wave(engine)
+    )
     max_model_len = engine.engine_config.get("max_model_len")
     context = max_model_len if isinstance(max_model_len, int) else DEFAULT_MAX_MODEL_LEN
     lines = None if counts is None else _lines(endpoint, bodies, counts, context)
     return estimates.estimate(asked, report.total, lines, history, pricing)
+
+
+def _wave(engine: EngineView) -> int | None:
+    """The requests the engine runs at once: `max_num_seqs` on each data-parallel rank (None: not known here)."""
+    config = engine.engine_config
+    seqs, ranks = config.get("max_num_seqs"), config.get("data_parallel_size", 1)
+    return seqs * ranks if isinstance(seqs, int) and isinstance(ranks, int) else None
 
 
 def _check_up(engine: EngineView) -> None:
