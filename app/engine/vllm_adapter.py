@@ -16,7 +16,7 @@ import os
 import sys
 import tempfile
 import typing
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Hashable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -274,12 +274,10 @@ class ServingLayer:
         )
         if tokenization is None:
             return [None] * len(bodies)
-        counted = await asyncio.to_thread(asyncio.run, _count_all(tokenization, endpoint, bodies))
         cache = self.engine_client.vllm_config.cache_config
+        block_size = cache.block_size if cache.enable_prefix_caching else None
         salts = [self._cache_salt(body) for body in bodies]
-        prompts = [None if ids is None else (salt, ids) for salt, (_, ids) in zip(salts, counted, strict=True)]
-        cached = cached_prefix_tokens(prompts, cache.block_size) if cache.enable_prefix_caching else [0] * len(bodies)
-        return [None if n is None else PromptCount(n, hit) for (n, _), hit in zip(counted, cached, strict=True)]
+        return await asyncio.to_thread(_count_and_cache, tokenization, endpoint, bodies, salts, block_size)
 
     def _cache_salt(self, body: dict) -> tuple[str | None, object]:
         """What keeps two prompts' blocks apart in the cache: the LoRA adapter a line names, and its `cache_salt`."""
@@ -325,6 +323,17 @@ _CHAT_TEMPLATE_FIELDS = (
     "chat_template",
     "chat_template_kwargs",
 )
+
+
+def _count_and_cache(
+    tokenization: Any, endpoint: str, bodies: list[dict], salts: Sequence[Hashable], block_size: int | None
+) -> list[PromptCount | None]:
+    """On a thread of its own: each body's count, and what of it the bodies before it leave in the prefix cache of
+    `block_size`-token blocks (None: no prefix cache). A part of 2,000 prompts of 8,000 tokens hashes in ~0.5 s."""
+    counted = asyncio.run(_count_all(tokenization, endpoint, bodies))
+    prompts = [None if ids is None else (salt, ids) for salt, (_, ids) in zip(salts, counted, strict=True)]
+    cached = [0] * len(bodies) if block_size is None else cached_prefix_tokens(prompts, block_size)
+    return [None if n is None else PromptCount(n, hit) for (n, _), hit in zip(counted, cached, strict=True)]
 
 
 async def _count_all(tokenization: Any, endpoint: str, bodies: list[dict]) -> list[Counted]:
