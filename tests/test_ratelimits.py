@@ -151,6 +151,14 @@ def test_a_keys_line_carries_its_settings_beside_its_webhook(tmp_path):
     assert limiter.limits_of(owner_of("sk-carol")) == Limits(10, 100)
 
 
+def _refused_at_start(settings: Settings, caplog) -> str:
+    """What the service logs as its start refuses `settings` (it exits with 2)."""
+    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
+        check_binding(settings, insecure_no_auth=False)
+    assert stopped.value.code == 2
+    return caplog.text
+
+
 @pytest.mark.parametrize(
     ("line", "says"),
     [
@@ -171,9 +179,7 @@ def test_a_bad_setting_is_refused_at_start_naming_its_line_not_its_key(tmp_path,
     settings = Settings(data_dir=tmp_path / "data", api_keys_file=path)
     with pytest.raises(ValueError):
         create_app(settings, EngineService(None))
-    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
-        check_binding(settings, insecure_no_auth=False)
-    assert stopped.value.code == 2 and says in caplog.text
+    assert says in _refused_at_start(settings, caplog)
 
 
 @pytest.mark.parametrize(
@@ -190,11 +196,9 @@ def test_a_bad_setting_is_refused_at_start_naming_its_line_not_its_key(tmp_path,
 )
 def test_a_malformed_key_line_is_refused_at_start_naming_its_line_and_no_word_of_it(tmp_path, caplog, line, says):
     path = _keys(tmp_path, f"sk-PRIVATE-a live_rpm=1000\n\n{line}\n")
-    settings = Settings(data_dir=tmp_path / "data", api_keys_file=path)
-    with caplog.at_level(logging.ERROR), pytest.raises(SystemExit) as stopped:
-        check_binding(settings, insecure_no_auth=False)
-    assert stopped.value.code == 2 and says in caplog.text and "line 3" in caplog.text
-    assert "PRIVATE" not in caplog.text and "hooks.example" not in caplog.text
+    logged = _refused_at_start(Settings(data_dir=tmp_path / "data", api_keys_file=path), caplog)
+    assert says in logged and "line 3" in logged
+    assert "PRIVATE" not in logged and "hooks.example" not in logged
 
 
 def test_a_key_given_inline_must_be_printable_ascii(tmp_path):
