@@ -161,6 +161,8 @@ class WorkerRow(SQLModel, table=True):
     # forwards them by (`app.engine.forward`). None: it cannot be forwarded to (a service of an older version).
     url: str | None = None
     online_in_flight: int = 0
+    # Its URL's proof under the fleet's secret (`app.core.fleet`): a replica forwards to no worker whose proof fails.
+    url_proof: str | None = None
 
 
 class EndedConsoleSession(SQLModel, table=True):
