@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from app import cli
 from app.core.config import Settings
+from app.domain import retry as retry_module
 from app.domain.results import ResultHead, error_outcome, line_for, result_head
 from app.domain.retry import failure_of
 from tests.helpers import FINAL, app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -296,3 +297,39 @@ def test_a_result_line_is_read_in_any_layout_and_one_that_is_not_is_refused():
     assert result_head(json.dumps(reordered, indent=1).encode()).succeeded
     with pytest.raises(ValueError):
         result_head(b'{"custom_id": 3}')
+
+
+def test_merge_answers_a_line_nested_past_the_parsers_stack_in_one_line(tmp_path, capsys):
+    """200,000 levels: Python's parser gives up with a RecursionError (a traceback, exit 1); merge reads the input's
+    line as no request, as any line that is not one, and refuses the result file's in one line with exit 2."""
+    deep = "[" * 200_000 + "]" * 200_000
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_bytes(jsonl([request_line("a")]) + f'{{"custom_id": "b", "body": {deep}}}\n'.encode())
+    results.write_bytes(line_for(error_outcome("a", "batch_expired", "late")))
+    lines = merged(tmp_path / "m.jsonl", "--input", str(source), str(results))
+    assert [line["custom_id"] for line in lines] == ["a"]
+    capsys.readouterr()
+    results.write_bytes(f'{{"id": {deep}, "custom_id": "a"}}\n'.encode())
+    with pytest.raises(SystemExit) as refused:
+        merged(tmp_path / "m2.jsonl", "--input", str(source), str(results))
+    err = capsys.readouterr().err
+    assert refused.value.code == 2 and err == f"vbatch merge: {results} line 1 is not a batch result line.\n"
+    assert not (tmp_path / "m2.jsonl").exists()
+
+
+def test_a_retry_whose_input_is_deleted_as_it_reads_gets_the_gone_inputs_400(client, fake_engine, monkeypatch):
+    """The race an outside probe hit 3 times in 30: the input deleted after the plan read it and before the new
+    input was copied out of it (a 500, FileNotFoundError). The delete comes exactly there."""
+    _, cancelled = cancelled_midway(client, fake_engine, lines=4, answered=1)
+    planned = retry_module.plan
+
+    def plan_then_delete(sources):
+        chosen = planned(sources)
+        assert client.delete(f"/v1/files/{cancelled['input_file_id']}").status_code == 200
+        return chosen
+
+    monkeypatch.setattr(retry_module, "plan", plan_then_delete)
+    error = refusal(client, cancelled["id"], 400)
+    assert (error["code"], error["param"]) == ("input_file_not_found", "batch_id")
+    assert [b["id"] for b in client.get("/v1/batches").json()["data"]] == [cancelled["id"]]  # nothing was created
+    assert [f["filename"] for f in client.get("/v1/files").json()["data"] if "retry" in f["filename"]] == []

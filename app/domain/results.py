@@ -149,8 +149,11 @@ def result_head(line: bytes) -> ResultHead:
     text = line.decode()
     try:
         return _head_as_written(text)
-    except (ValueError, LookupError):
-        record = json.loads(text)
+    except (ValueError, LookupError, RecursionError):
+        try:
+            record = json.loads(text)
+        except RecursionError:  # nested past the parser's stack: no line `line_for` writes is
+            raise ValueError("not a batch result line") from None
         response = record.get("response") if isinstance(record, dict) else None
         status = response.get("status_code") if isinstance(response, dict) else None
         custom_id = record.get("custom_id") if isinstance(record, dict) else None

@@ -103,7 +103,7 @@ def request_custom_id(data: bytes) -> str | None:
     """An input line's custom_id; None if the line is not a request with one (an input never validated)."""
     try:
         request = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested past the parser's stack
         return None
     custom_id = request.get("custom_id") if isinstance(request, dict) else None
     return custom_id if isinstance(custom_id, str) else None
@@ -186,11 +186,15 @@ async def _local(*, db: Engine, storage: Storage, file_id: str | None, owner: st
         await asyncio.to_thread(files.get, db=db, file_id=file_id, owner=owner)
         return await storage.local_path(file_id)
     except (NotFound, FileNotFoundError):
-        raise InvalidRequest(
-            f"The {what} file {file_id} of this batch is gone (deleted or expired): the lines to retry cannot be told.",
-            param="batch_id",
-            code=f"{what}_file_not_found",
-        ) from None
+        raise _gone(what, file_id) from None
+
+
+def _gone(what: str, file_id: str) -> InvalidRequest:
+    return InvalidRequest(
+        f"The {what} file {file_id} of this batch is gone (deleted or expired): the lines to retry cannot be told.",
+        param="batch_id",
+        code=f"{what}_file_not_found",
+    )
 
 
 async def sources_of(*, db: Engine, storage: Storage, row: BatchRow) -> Sources:
@@ -290,9 +294,12 @@ async def _create(
 ) -> BatchRow:
     """The new input file, then the batch on it; the file goes again if the batch is refused (too many active)."""
     file_id = new_id("file-")
-    size = await storage.save_stream(
-        file_id, _lines_at(sources.input, spans), max_bytes=sum(length + 1 for _, length in spans), keep_free=True
-    )
+    try:
+        size = await storage.save_stream(
+            file_id, _lines_at(sources.input, spans), max_bytes=sum(length + 1 for _, length in spans), keep_free=True
+        )
+    except FileNotFoundError:  # the input deleted since the plan read it: as if it had gone before
+        raise _gone("input", row.input_file_id) from None
     try:
         await asyncio.to_thread(
             files.record_upload,
