@@ -4,16 +4,20 @@ own shutdown keeps the process from exiting no longer than VBATCH_DRAIN_SECONDS.
 from __future__ import annotations
 
 import asyncio
+import gc
+import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 
 from fastapi.testclient import TestClient
 
+from app.domain import batches
+from app.domain.leases import LeaseLost
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FakeEngine, FakeServing
-from tests.helpers import app_on, wait_for
+from tests.helpers import app_on, held_batch, wait_for
 
 
 def test_a_stop_that_comes_with_a_wake_ends_the_engine_loop(settings):
@@ -67,3 +71,47 @@ def test_an_engine_that_never_shuts_down_holds_the_exit_only_for_the_drain_deadl
 async def _within(stopping, seconds: float) -> None:
     async with asyncio.timeout(seconds):
         await stopping
+
+
+def test_a_checkpoint_that_loses_its_lease_as_the_service_stops_leaves_no_task_error_unread(
+    settings, monkeypatch, caplog
+):
+    """SIGTERM while the ticker's checkpoint is saving: the stop cancels the ticker, the shielded checkpoint goes on
+    and its save finds the lease gone. asyncio logged `Task exception was never retrieved ... LeaseLost`, as the
+    shield drops its interest in a task whose caller was cancelled. The stop's cancel comes exactly there: the save
+    waits until the run's last checkpoint, after the ticker's cancel, begins."""
+    saved = batches.save_checkpoint
+    saving, stopping = threading.Event(), threading.Event()
+    armed: list[str] = []
+
+    def save_that_loses_its_lease(**fields) -> None:
+        if not armed:
+            saved(**fields)
+            return
+        if not saving.is_set():
+            saving.set()
+            assert stopping.wait(30)
+        raise LeaseLost(fields["batch_id"])
+
+    monkeypatch.setattr(batches, "save_checkpoint", save_that_loses_its_lease)
+    asyncio_log = logging.getLogger("asyncio")
+    asyncio_log.addHandler(caplog.handler)
+    try:
+        with held_batch(settings, lines=4, answered=2) as held:
+            storage = held.client.app.state.storage
+            checked = storage.check_room
+
+            def check_room(*args, **kwargs):
+                if saving.is_set():  # the run's last checkpoint: the ticker's cancel is behind it
+                    stopping.set()
+                return checked(*args, **kwargs)
+
+            monkeypatch.setattr(storage, "check_room", check_room)
+            armed.append(held.batch["id"])
+            assert saving.wait(30)
+        assert stopping.is_set()
+        gc.collect()  # a task's unread error is reported as the task is collected
+    finally:
+        asyncio_log.removeHandler(caplog.handler)
+    unread = [record.getMessage() for record in caplog.records if "never retrieved" in record.getMessage()]
+    assert unread == []

@@ -89,7 +89,14 @@ class ResultSink:
     async def checkpoint(self, save: SaveCheckpoint | None = None) -> None:
         """Shielded: a checkpoint cancelled between taking the buffers and writing them would lose those lines
         (the ticker that calls it is cancelled whenever the work ends). The next checkpoint or `close` waits for it."""
-        await asyncio.shield(self._checkpoint(save))
+        going_on = asyncio.ensure_future(self._checkpoint(save))
+        try:
+            await asyncio.shield(going_on)
+        except asyncio.CancelledError:
+            # Cancelled, the shield no longer reads how the checkpoint ends: an error it ends with (its lease lost
+            # at a stop) would be logged as a task exception never retrieved. The next checkpoint meets it again.
+            going_on.add_done_callback(_ended_unawaited)
+            raise
 
     async def _checkpoint(self, save: SaveCheckpoint | None) -> None:
         async with self._checkpointing:  # two checkpoints must not interleave their writes
@@ -112,6 +119,11 @@ class ResultSink:
         """Close both files dropping what was not written (a full disk): the checkpoint is what counts."""
         await self.output.abandon()
         await self.errors.abandon()
+
+
+def _ended_unawaited(checkpoint: asyncio.Future) -> None:
+    if not checkpoint.cancelled() and (error := checkpoint.exception()) is not None:
+        log.info("a checkpoint that went on after its caller stopped failed: %r", error)
 
 
 def cut_back(path: Path, length: int | None) -> None:
