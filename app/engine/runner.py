@@ -190,6 +190,8 @@ class BatchRun:
             for task in (ticker, work):
                 task.cancel()
             await asyncio.gather(ticker, work, return_exceptions=True)
+            if stop.done() and not stop.cancelled():
+                stop.exception()  # read when a cancel came with it, or asyncio reports it never retrieved
             turn.release()  # a run stopped before its feed began has not passed its turn on
 
     async def _wait_for_turn(self) -> Turn | BatchStatus:
