@@ -276,6 +276,75 @@ def test_an_adapter_under_an_s3_prefix_is_copied_to_the_cache_once(s3, adapters:
     assert isinstance(found, AdapterProblem) and found.code == "adapter_rank_too_large"
 
 
+def _s3_adapters(s3, folder: Path, names: tuple[str, ...]) -> str:
+    """A new s3:// prefix holding a copy of the adapter in `folder` under each of `names`."""
+    import obstore
+    from obstore.store import from_url
+
+    url = s3.new_url()
+    store = from_url(url)
+    for name in names:
+        for file in folder.iterdir():
+            obstore.put(store, f"{name}/{file.name}", file.read_bytes())
+    return url
+
+
+def _put_raw(s3, url: str, key: str) -> None:
+    """An object under `key` exactly as written: S3 takes `..` and empty segments in a key, obstore writes neither."""
+    import boto3
+
+    environ = s3.environ
+    client = boto3.client(
+        "s3",
+        endpoint_url=environ["AWS_ENDPOINT_URL"],
+        aws_access_key_id=environ["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=environ["AWS_SECRET_ACCESS_KEY"],
+        region_name=environ["AWS_REGION"],
+    )
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=b"{}")
+
+
+HOSTILE_KEYS = {
+    "climbs": "climbs/../../escaped/adapter_config.json",
+    "ends-in-dots": "ends-in-dots/..",
+    "rooted": "rooted//tmp/escaped-rooted.json",
+    "dotted": "dotted/./adapter_config.json",
+}
+
+
+def test_an_s3_adapter_with_a_key_no_local_folder_can_hold_is_no_such_model(
+    s3, adapters: Path, tmp_path: Path, fake_engine: FakeEngine
+):
+    """Keys with `..`, `.` or empty segments are legal in S3; copied as they are, one would be written outside the
+    cache (`partial / "/tmp/x"` is /tmp/x). Such an adapter is no adapter: an online request naming it is a 404
+    model_not_found (it was a 500), a batch line an error on its line (the batch failed with a file_not_found about
+    its input), and nothing is written anywhere on the local disk; the good adapter beside them still runs."""
+    url = _s3_adapters(s3, adapters / "tuned", ("tuned", *HOSTILE_KEYS))
+    for key in HOSTILE_KEYS.values():
+        _put_raw(s3, url, key)
+    settings = Settings(data_dir=tmp_path / "data", lora_dir=url, checkpoint_seconds=0.05, disk_reserve_bytes=65536)
+    with TestClient(create_app(settings, EngineService(fake_engine))) as client:
+        wait_for(lambda: client.get("/health").status_code == 200)
+        body = {"messages": [{"role": "user", "content": "hi"}]}
+        for name in HOSTILE_KEYS:
+            refused = client.post("/v1/chat/completions", json={**body, "model": name})
+            assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found", refused.text
+        assert client.post("/v1/chat/completions", json={**body, "model": "tuned"}).status_code == 200
+        batch = create_batch(client, upload(client, lines_naming([FAKE_MODEL, "climbs", "rooted"]))["id"])
+        failed = wait_status(client, batch["id"], {"failed", "completed"})
+    assert [(e["code"], e["line"]) for e in failed["errors"]["data"]] == [
+        ("model_not_found", 2),
+        ("model_not_found", 3),
+    ]
+    assert not (tmp_path / "data" / "escaped").exists() and not Path("/tmp/escaped-rooted.json").exists()
+    assert [p.name for p in settings.lora_cache_dir.iterdir()] == ["tuned"]  # no partial copy left either
+    source = lora_dir(settings)
+    assert source is not None
+    for name in HOSTILE_KEYS:
+        assert source.folder(name) is None and not source.has(name), name
+
+
 # The serving layer over vLLM's objects: an adapter loaded once, at its first request, in each process that has one.
 
 

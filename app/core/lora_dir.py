@@ -11,14 +11,21 @@ Every call here blocks (disk, object store): the callers run it on a thread.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from app.core.blocking import refuse_on_loop
 from app.core.config import Settings
+
+if TYPE_CHECKING:
+    from obstore.store import ObjectStore
+
+log = logging.getLogger("vbatch.engine")
 
 S3_SCHEME = "s3://"
 MAX_NAME_BYTES = 255
@@ -56,27 +63,24 @@ class LoraDir:
             return (Path(self.url) / name).is_dir()
         if (self.cache / name).is_dir():
             return True
-        import obstore
         from obstore.store import from_url
 
-        refuse_on_loop("obstore.list")
-        return any(batch for batch in obstore.list(from_url(self.url), prefix=f"{name}/", chunk_size=1))
+        return bool(_objects(from_url(self.url), name))
 
     def _copy(self, name: str, cached: Path) -> Path | None:
         import obstore
         from obstore.store import from_url
 
-        refuse_on_loop("obstore.list")
         store = from_url(self.url)
-        objects = [meta["path"] for batch in obstore.list(store, prefix=f"{name}/") for meta in batch]
+        objects = _objects(store, name)
         if not objects:
             return None
         # Copied beside its place and renamed into it whole: a process that copies it at the same time, or one
         # killed halfway, never leaves a folder that looks complete and is not.
         partial = self.cache / f".{name}.{uuid.uuid4().hex}.download"
         try:
-            for key in objects:
-                target = partial / key.removeprefix(f"{name}/")
+            for key, segments in objects.items():
+                target = partial.joinpath(*segments)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(bytes(obstore.get(store, key).bytes()))
             try:
@@ -87,6 +91,27 @@ class LoraDir:
         finally:
             shutil.rmtree(partial, ignore_errors=True)
         return cached
+
+
+def _objects(store: ObjectStore, name: str) -> dict[str, list[str]]:
+    """The keys of the adapter folder `name` in `store`, each with the path segments below the folder it is copied
+    to; none (no such adapter) if a key has a segment no local folder can hold: S3 takes `..`, `.` and empty ones
+    (`a//b`), and copied as they are they would write outside the cache (`partial / "/etc/x"` is /etc/x)."""
+    import obstore
+    from obstore.exceptions import InvalidPathError
+
+    refuse_on_loop("obstore.list")
+    try:
+        keys = [meta["path"] for batch in obstore.list(store, prefix=f"{name}/") for meta in batch]
+    except InvalidPathError as exc:  # obstore refuses to list such a key at all
+        log.warning("VBATCH_LORA_DIR: the adapter folder %r holds a key no local folder can hold: %s", name, exc)
+        return {}
+    objects = {key: key.removeprefix(f"{name}/").split("/") for key in keys}
+    unsafe = [key for key, segments in objects.items() if not all(_plain_name(part) for part in segments)]
+    if unsafe:
+        log.warning("VBATCH_LORA_DIR: the adapter folder %r holds a key no local folder can hold: %r", name, unsafe[0])
+        return {}
+    return objects
 
 
 def _plain_name(name: str) -> bool:
