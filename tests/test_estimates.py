@@ -13,7 +13,10 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.domain import estimates
+from app.domain.batches import Progress
+from app.domain.results import Outcome, add_usage, encode_body, http_outcome, stopped_at_cap
 from app.engine import frontends
+from app.engine.parts import ResultSink
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FAKE_BLOCK_SIZE, fake_frontends, fake_token_count
@@ -109,6 +112,184 @@ def test_embeddings_are_timed_by_their_input_tokens():
     assert found.eta_seconds == pytest.approx(1.0)
 
 
+# Each line's own cap against the history's (issue 38): answers cut at a lower cap are a floor, not a figure.
+
+
+def _capped(cap: int, lines: int) -> list[estimates.Line]:
+    return [estimates.line_of(CHAT, {"max_tokens": cap}, estimates.PromptCount(20), 2048)] * lines
+
+
+# 60 lines run at max_tokens 16: 55 stopped at it, 5 ended on their own with 50 tokens (the longest 14); 9.3 s.
+CUT_AT_16 = estimates.History(
+    ["b3", "b2", "b1"],
+    lines=60,
+    input_tokens=1200,
+    output_tokens=930,
+    run_seconds=9.3,
+    cut_lines=55,
+    cut_output_tokens=880,
+    shortest_cut_output=16,
+    longest_uncut_output=14,
+)
+
+
+def test_answers_cut_below_the_files_cap_give_a_range_from_what_they_did_to_the_cap():
+    """The issue's shape: a file asking 64 after batches at 16. Each cut answer gives 16 to 64, each other its own
+    tokens: per line 930/60 = 15.5 to (50 + 55 x 64)/60 = 59.5; the expected is the middle."""
+    found = estimates.estimate(
+        estimates.Asked("f", CHAT, "m"), 200, _capped(64, 200), CUT_AT_16, estimates.Pricing(1, None)
+    )
+    assert (found.expected_output_tokens_low, found.expected_output_tokens, found.expected_output_tokens_high) == (
+        3100,
+        7500,
+        11900,
+    )
+    assert found.basis.tokens_per_second == 100.0  # 930 tokens in 9.3 s
+    assert (found.eta_seconds_low, found.eta_seconds, found.eta_seconds_high) == (31.0, 75.0, 119.0)
+    assert found.gpu_seconds == 75.0
+    basis = found.basis
+    assert (basis.output, basis.history_lines, basis.history_cut_lines) == ("range", 60, 55)
+    assert basis.output_reason is not None
+    assert "55 of the 60 answers" in basis.output_reason and "as few as 16" in basis.output_reason
+    assert "up to 64" in basis.output_reason
+
+
+def test_a_file_at_the_cap_the_history_was_cut_at_is_told_to_the_token():
+    found = estimates.estimate(
+        estimates.Asked("f", CHAT, "m"), 200, _capped(16, 200), CUT_AT_16, estimates.Pricing(1, None)
+    )
+    assert (found.expected_output_tokens_low, found.expected_output_tokens, found.expected_output_tokens_high) == (
+        3100,
+        3100,
+        3100,
+    )
+    assert (found.eta_seconds_low, found.eta_seconds, found.eta_seconds_high) == (31.0, 31.0, 31.0)
+    assert (found.basis.output, found.basis.output_reason) == ("measured", None)
+
+
+def test_a_cap_below_answers_that_ended_on_their_own_cuts_them_by_an_amount_unknown():
+    """10 lines at max_tokens 64: 2 cut (128 tokens), 8 ended on their own with 200 tokens, the longest 40. At 16
+    the cut ones give 16 each; the others at least 200 x 16/40 = 80 (none is longer than 40), at most 8 x 16."""
+    history = estimates.History(
+        ["b"],
+        lines=10,
+        input_tokens=100,
+        output_tokens=328,
+        run_seconds=1.0,
+        cut_lines=2,
+        cut_output_tokens=128,
+        shortest_cut_output=64,
+        longest_uncut_output=40,
+    )
+    assert history.output_range(16) == ((80 + 32) / 10, (128 + 32) / 10)
+    assert history.output_range(40) == ((200 + 80) / 10, (200 + 80) / 10)  # none cut: the cut ones give 40 each
+    found = estimates.estimate(
+        estimates.Asked("f", CHAT, "m"), 10, _capped(16, 10), history, estimates.Pricing(1, None)
+    )
+    assert (found.expected_output_tokens_low, found.expected_output_tokens, found.expected_output_tokens_high) == (
+        112,
+        136,
+        160,
+    )
+    assert found.basis.output == "range" and "ran to 40" in (found.basis.output_reason or "")
+    assert "as low as 16" in (found.basis.output_reason or "")
+
+
+def test_lines_of_several_caps_each_take_their_own():
+    lines = _capped(16, 100) + _capped(64, 100)
+    found = estimates.estimate(estimates.Asked("f", CHAT, "m"), 200, lines, CUT_AT_16, estimates.Pricing(1, None))
+    assert (found.expected_output_tokens_low, found.expected_output_tokens_high) == (3100, 1550 + 5950)
+    assert found.max_output_tokens == 100 * 16 + 100 * 64
+
+
+def _row(name: str, **fields) -> SimpleNamespace:
+    ended = {"cut_lines": 0, "cut_output_tokens": 0, "shortest_cut_output": 0, "longest_uncut_output": 0}
+    return SimpleNamespace(id=name, completed=20, input_tokens=0, output_tokens=0, timeline_json=None, **ended | fields)
+
+
+def test_the_history_is_the_batches_that_tell_the_files_caps_where_any_does():
+    at_16 = _row("at-16", cut_lines=19, cut_output_tokens=304, shortest_cut_output=16, longest_uncut_output=10)
+    at_64 = _row("at-64", cut_lines=3, cut_output_tokens=192, shortest_cut_output=64, longest_uncut_output=60)
+    before = _row("before-migration")  # nothing recorded: its answers are taken as they were, as before
+
+    def chosen(*caps: int) -> list[str]:
+        return [row.id for row in estimates.telling([at_16, at_64, before], caps)]
+
+    assert chosen(64) == ["at-64", "before-migration"]  # the 16s were cut below 64
+    assert chosen(16) == ["at-16", "before-migration"]  # the 64s' answers ran past 16
+    assert chosen(60, 64) == ["at-64", "before-migration"]
+    assert chosen() == ["at-16", "at-64", "before-migration"]
+    assert [row.id for row in estimates.telling([at_16, at_64], [32])] == ["at-16", "at-64"]  # none tells: all
+
+
+def test_the_history_sums_how_its_batches_answers_ended():
+    at_16 = _row("at-16", cut_lines=19, cut_output_tokens=304, shortest_cut_output=16, longest_uncut_output=10)
+    at_64 = _row("at-64", cut_lines=3, cut_output_tokens=192, shortest_cut_output=64, longest_uncut_output=60)
+    uncut = _row("uncut", longest_uncut_output=70)
+    history = estimates.history_of([at_16, at_64, uncut])
+    assert (history.cut_lines, history.cut_output_tokens) == (22, 496)
+    assert (history.shortest_cut_output, history.longest_uncut_output) == (16, 70)
+    assert estimates.history_of([uncut]).shortest_cut_output == 0
+
+
+def test_an_answer_stopped_at_its_cap_is_told_from_its_finish_reason():
+    def chat(*reasons: str) -> dict:
+        return {"choices": [{"index": i, "finish_reason": r} for i, r in enumerate(reasons)], "usage": {}}
+
+    assert stopped_at_cap(chat("length")) and stopped_at_cap(chat("stop", "length"))
+    assert not stopped_at_cap(chat("stop")) and not stopped_at_cap(chat("tool_calls"))
+    assert stopped_at_cap({"status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"}})
+    assert not stopped_at_cap({"status": "incomplete", "incomplete_details": {"reason": "content_filter"}})
+    assert not stopped_at_cap({"object": "list", "data": []}) and not stopped_at_cap([1])
+    assert encode_body(chat("length")).cut and not encode_body(chat("stop")).cut
+
+
+def test_progress_keeps_how_answers_ended_and_a_parent_sums_its_shards():
+    first, second = Progress(), Progress()
+    for tokens, cut, progress in ((16, True, first), (9, False, first), (12, True, first), (30, False, second)):
+        add_usage(progress, {"prompt_tokens": 5, "completion_tokens": tokens}, cut=cut)
+    assert (first.cut_lines, first.cut_output_tokens, first.shortest_cut_output, first.longest_uncut_output) == (
+        2,
+        28,
+        12,
+        9,
+    )
+    both = first.plus(second)
+    # `second` cut nothing: its 0 is no shortest cut answer.
+    assert (both.cut_lines, both.cut_output_tokens, both.shortest_cut_output, both.longest_uncut_output) == (
+        2,
+        28,
+        12,
+        30,
+    )
+    assert (both.output_tokens, both.input_tokens) == (67, 20)
+
+
+def test_a_sink_restored_from_its_files_knows_how_their_answers_ended(tmp_path):
+    """A run that resumes takes its counts from the part files: how their answers ended with them."""
+
+    def answer(custom_id: str, tokens: int, reason: str) -> Outcome:
+        body = {"choices": [{"finish_reason": reason}], "usage": {"prompt_tokens": 3, "completion_tokens": tokens}}
+        return http_outcome(custom_id, 200, body)
+
+    async def run() -> tuple[Progress, Progress]:
+        sink = ResultSink(tmp_path / "out", tmp_path / "err")
+        await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
+        for position, (tokens, reason) in enumerate(((16, "length"), (7, "stop"), (16, "length"))):
+            sink.record(position, answer(f"r{position}", tokens, reason))
+        await sink.checkpoint()
+        await sink.close()
+        again = ResultSink(tmp_path / "out", tmp_path / "err")
+        await again.open(output_bytes=None, error_bytes=None, position_of=lambda: {f"r{i}": i for i in range(3)})
+        await again.close()
+        return sink.progress, again.progress
+
+    recorded, restored = asyncio.run(run())
+    assert recorded == restored
+    assert (restored.cut_lines, restored.cut_output_tokens, restored.shortest_cut_output) == (2, 32, 16)
+    assert restored.longest_uncut_output == 7
+
+
 # The route, over the fake engine.
 
 
@@ -174,6 +355,54 @@ def test_after_a_batch_the_estimate_expects_what_it_did(client):
     assert found["eta_seconds"] == pytest.approx(found["expected_output_tokens"] / rate, abs=1e-3)
     assert found["gpu_seconds"] == pytest.approx(found["eta_seconds"], abs=1e-3)
     assert found["cost_usd"] is None  # no price set
+
+
+def _answers_that_run_to(fake_engine, natural: int) -> None:
+    """The fake answers every line with `natural` output tokens, or its max_tokens where that is fewer, stopped
+    there (finish_reason `length`), as a model whose answers all run that long."""
+    answer = fake_engine.executor.execute
+
+    async def execute(endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+        status, answered = await answer(endpoint, body, rank)
+        cap = body.get("max_tokens")
+        tokens = min(natural, cap) if isinstance(cap, int) else natural
+        choice = {**answered["choices"][0], "finish_reason": "length" if tokens < natural else "stop"}
+        return status, {**answered, "choices": [choice], "usage": {**answered["usage"], "completion_tokens": tokens}}
+
+    fake_engine.executor.execute = execute
+
+
+def test_after_batches_cut_at_a_lower_cap_the_estimate_is_a_range_until_one_at_the_files_cap_has_run(
+    client, fake_engine
+):
+    """The issue's case over the fake: answers of 10 tokens, three batches at max_tokens 4 (every answer cut), then a
+    file at 16. The history says only that each line gives 4 to 16; the batch then gives 10 a line. Once it has run,
+    it alone tells the file, to the token."""
+    _ready(client)
+    _answers_that_run_to(fake_engine, 10)
+    for _ in range(3):
+        wait_status(client, create_batch(client, _file(client, 5, max_tokens=4)[0])["id"], {"completed"})
+    file_id, _ = _file(client, 20, max_tokens=16)
+    before = _estimate(client, file_id).json()
+    assert (before["expected_output_tokens_low"], before["expected_output_tokens"]) == (20 * 4, 20 * 10)
+    assert before["expected_output_tokens_high"] == 20 * 16
+    basis = before["basis"]
+    assert (basis["output"], basis["history_lines"], basis["history_cut_lines"]) == ("range", 15, 15)
+    assert "15 of the 15 answers" in basis["output_reason"]
+    assert before["eta_seconds_low"] < before["eta_seconds"] < before["eta_seconds_high"]
+
+    ran = wait_status(client, create_batch(client, file_id)["id"], {"completed"})
+    actual = ran["usage"]["output_tokens"]
+    assert actual == 20 * 10
+    assert before["expected_output_tokens_low"] <= actual <= before["expected_output_tokens_high"]
+
+    after = _estimate(client, file_id).json()
+    assert after["basis"]["history_batch_ids"] == [ran["id"]]  # the batches cut at 4 tell this file nothing more
+    assert (after["basis"]["output"], after["basis"]["output_reason"]) == ("measured", None)
+    assert (
+        after["expected_output_tokens_low"] == after["expected_output_tokens"] == after["expected_output_tokens_high"]
+    )
+    assert after["expected_output_tokens"] == actual
 
 
 def test_with_a_price_the_estimate_has_a_cost(settings, engine_service):

@@ -60,4 +60,4 @@ def test_a_reopened_sink_keeps_what_was_checkpointed_and_cuts_the_rest(tmp_path)
     asyncio.run(first_run())
     resumed = asyncio.run(second_run())
     assert resumed.done == {0, 1}
-    assert resumed.progress == Progress(completed=1, failed=1, output_tokens=3)
+    assert resumed.progress == Progress(completed=1, failed=1, output_tokens=3, longest_uncut_output=3)

@@ -66,6 +66,28 @@ class Progress:
     output_tokens: int = 0
     reasoning_tokens: int = 0
     gpu_seconds: float = 0.0
+    # How the answers ended, for estimates (`app.domain.estimates`): an answer cut at its cap (finish_reason
+    # `length`) tells only that it would have run at least that long.
+    cut_lines: int = 0
+    cut_output_tokens: int = 0
+    shortest_cut_output: int = 0  # 0: none cut
+    longest_uncut_output: int = 0
+
+    def plus(self, other: Progress) -> Progress:
+        """The two together (a parent batch's, from its shards')."""
+        summed = {name: value + getattr(other, name) for name, value in asdict(self).items()}
+        cut_outputs = [each.shortest_cut_output for each in (self, other) if each.cut_lines]
+        return Progress(
+            **summed
+            | {
+                "shortest_cut_output": min(cut_outputs, default=0),
+                "longest_uncut_output": max(self.longest_uncut_output, other.longest_uncut_output),
+            }
+        )
+
+
+def progress_of(row: BatchRow) -> Progress:
+    return Progress(**{name: getattr(row, name) for name in asdict(Progress())})
 
 
 def _counts(row: BatchRow) -> RequestCounts:

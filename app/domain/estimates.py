@@ -2,14 +2,19 @@
 counts (the engine counts them, `app.engine.estimating`) and what this engine did on earlier batches of the same
 model and endpoint.
 
-Expected output is those batches' output tokens per line; the rate is their output tokens over their runs' seconds
-(input tokens for an endpoint that generates none), so a file of the same shape as one that has run gets an output
-and an ETA close to what it will do. Without such a batch both are null, and the basis says the rate is unknown.
+Expected output is what those batches' answers say of each line's own cap: an answer that ended on its own gives as
+much again while the line's cap lets it, one cut at its cap (finish_reason `length`) says only that it would have run
+at least so long. So the output is a range, a single figure where the history tells (its answers ended below the
+file's caps, or were cut at caps no lower), and the estimate is its middle. The rate is their output tokens over
+their runs' seconds (input tokens for an endpoint that generates none), so a file of the same shape as one that has
+run gets an output and an ETA close to what it will do. Without such a batch both are null, and the basis says the
+rate is unknown.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -20,7 +25,7 @@ from app.core.db import session_scope
 from app.domain.cost import cost_usd
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
-from app.domain.schemas import BatchErrors, BatchEstimate, EstimateBasis
+from app.domain.schemas import BatchErrors, BatchEstimate, EstimateBasis, OutputKnown
 
 # The earlier batches an estimate learns from: the most recent ones, so that it follows the engine as it is now.
 HISTORY_BATCHES = 5
@@ -117,16 +122,32 @@ def max_output_tokens(endpoint: str, body: dict, prompt_tokens: int, max_model_l
 
 @dataclass(frozen=True)
 class History:
-    """Earlier completed batches of one model and endpoint, summed."""
+    """Earlier completed batches of one model and endpoint, summed; how their answers ended as `Progress` keeps it
+    (those cut at their cap, their tokens, the fewest tokens of a cut answer and the most of one that was not)."""
 
     batch_ids: list[str]
     lines: int
     input_tokens: int
     output_tokens: int
     run_seconds: float
+    cut_lines: int = 0
+    cut_output_tokens: int = 0
+    shortest_cut_output: int = 0
+    longest_uncut_output: int = 0
 
-    def output_per_line(self) -> float | None:
-        return self.output_tokens / self.lines if self.lines else None
+    def output_range(self, cap: int) -> tuple[float, float]:
+        """The fewest and the most output tokens a line whose cap is `cap` gives, by the history's answers (one
+        history line's worth). An answer that ended on its own gives as much again, cut at `cap` where it ran past
+        it: by at most its own excess, at least in proportion (x tokens of at most `longest` give at least x * cap /
+        longest). An answer cut at its cap would have run at least that long: at least that, at most `cap`."""
+        uncut_lines, uncut_tokens = self.lines - self.cut_lines, self.output_tokens - self.cut_output_tokens
+        if cap >= self.longest_uncut_output:
+            low, high = float(uncut_tokens), float(uncut_tokens)
+        else:
+            low, high = uncut_tokens * cap / self.longest_uncut_output, float(min(uncut_tokens, uncut_lines * cap))
+        low += self.cut_lines * min(self.shortest_cut_output, cap)
+        high += self.cut_lines * cap
+        return low / self.lines, high / self.lines
 
     def tokens_per_second(self, generates: bool) -> float | None:
         tokens = self.output_tokens if generates else self.input_tokens
@@ -140,21 +161,33 @@ def run_seconds(timeline_json: str | None) -> float:
 
 
 def history_of(rows: Sequence[BatchRow]) -> History:
+    cut = [row.shortest_cut_output for row in rows if row.cut_lines]
     return History(
         batch_ids=[row.id for row in rows],
         lines=sum(row.completed for row in rows),
         input_tokens=sum(row.input_tokens for row in rows),
         output_tokens=sum(row.output_tokens for row in rows),
         run_seconds=sum(run_seconds(row.timeline_json) for row in rows),
+        cut_lines=sum(row.cut_lines for row in rows),
+        cut_output_tokens=sum(row.cut_output_tokens for row in rows),
+        shortest_cut_output=min(cut, default=0),
+        longest_uncut_output=max((row.longest_uncut_output for row in rows), default=0),
     )
 
 
 def recent_history(
-    *, db: Engine, model: str | None, endpoint: str, lines: int, wave: int | None, limit: int = HISTORY_BATCHES
+    *,
+    db: Engine,
+    model: str | None,
+    endpoint: str,
+    lines: int,
+    wave: int | None,
+    caps: Sequence[int] = (),
+    limit: int = HISTORY_BATCHES,
 ) -> History:
     """The newest completed batches of `model` and `endpoint` that ran lines and timed their run (shards are counted
-    through their parent: a parent's totals are its shards' summed), of those the ones comparable to a file of
-    `lines` (`comparable`)."""
+    through their parent: a parent's totals are its shards' summed), of those the ones that tell a file whose lines'
+    caps are `caps` (`telling`), and of those the ones comparable to a file of `lines` (`comparable`)."""
     with session_scope(db) as session:
         statement = (
             select(BatchRow)
@@ -171,7 +204,23 @@ def recent_history(
         )
         rows = list(session.exec(statement).all())
     timed = [row for row in rows if run_seconds(row.timeline_json) > 0]
-    return history_of(comparable(timed, lines=lines, wave=wave))
+    return history_of(comparable(telling(timed, caps), lines=lines, wave=wave))
+
+
+def telling(rows: Sequence[BatchRow], caps: Sequence[int]) -> list[BatchRow]:
+    """The batches whose answers tell what lines capped at `caps` give, to the token: none cut below the highest
+    cap (a cut answer says only that it would have run at least so long) and none that ended on its own past the
+    lowest (the cap would cut it, by an amount unknown); their rate is of answers as long as the file's. All of them
+    where none does (the output is then a range)."""
+    if not caps:
+        return list(rows)
+    lowest, highest = min(caps), max(caps)
+    exact = [
+        row
+        for row in rows
+        if (row.cut_lines == 0 or row.shortest_cut_output >= highest) and row.longest_uncut_output <= lowest
+    ]
+    return exact or list(rows)
 
 
 def comparable(rows: Sequence[BatchRow], *, lines: int, wave: int | None) -> list[BatchRow]:
@@ -216,29 +265,103 @@ def refused(asked: Asked, lines: int, errors: BatchErrors, pricing: Pricing) -> 
         prompt_tokens=None,
         max_output_tokens=None,
         expected_output_tokens=None,
+        expected_output_tokens_low=None,
+        expected_output_tokens_high=None,
         expected_cached_tokens=None,
         expected_cached_share=None,
         eta_seconds=None,
+        eta_seconds_low=None,
+        eta_seconds_high=None,
         gpu_seconds=None,
         cost_usd=None,
         gpu_hour_price=pricing.gpu_hour_price,
-        basis=_basis(None, History([], 0, 0, 0, 0.0), asked.endpoint, pricing),
+        basis=_basis(None, History([], 0, 0, 0, 0.0), asked.endpoint, pricing, None),
     )
 
 
+@dataclass(frozen=True)
+class Output:
+    """A file's output tokens by the history: the fewest, the expected (the middle) and the most, and why the
+    history cannot tell one figure (None: it can)."""
+
+    low: int
+    expected: int
+    high: int
+    why: str | None = None
+
+
+def output_of(history: History, caps: Sequence[int] | None, line_count: int) -> Output | None:
+    """`caps`: each line's output cap (None: not known; then the history's output per line, as it was). None with
+    no history."""
+    if not history.lines:
+        return None
+    if caps is None:
+        each = round(history.output_tokens / history.lines * line_count)
+        return Output(each, each, each)
+    low = high = 0.0
+    for cap, count in Counter(caps).items():
+        each_low, each_high = history.output_range(cap)
+        low, high = low + each_low * count, high + each_high * count
+    found = Output(round(low), round((low + high) / 2), round(high))
+    return (
+        found if found.low == found.high else Output(found.low, found.expected, found.high, _why_a_range(history, caps))
+    )
+
+
+def _why_a_range(history: History, caps: Sequence[int]) -> str:
+    reasons = []
+    if history.cut_lines and max(caps) > history.shortest_cut_output:
+        reasons.append(
+            f"{history.cut_lines} of the {history.lines} answers of those batches stopped at their cap, after as "
+            f"few as {history.shortest_cut_output} output tokens, and this file's lines allow up to {max(caps)}: "
+            "such an answer tells only that it would have run at least that long"
+        )
+    if history.longest_uncut_output > min(caps):
+        reasons.append(
+            f"answers of those batches that ended on their own ran to {history.longest_uncut_output} output tokens, "
+            f"past the cap of this file's lines (as low as {min(caps)}): how many it cuts is not known"
+        )
+    return "; ".join(reasons) + ". The expected output is the middle of the range."
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds the batch runs (the expected, the fewest and the most), and GPU-seconds of the expected."""
+
+    eta: float | None
+    low: float | None
+    high: float | None
+    gpu: float | None
+
+    @staticmethod
+    def of(work: Sequence[int] | None, rate: float | None, gpus: int) -> Timing:
+        """`work`: the expected, fewest and most tokens at `rate` (tokens per second)."""
+        if work is None or rate is None:
+            return Timing(None, None, None, None)
+        eta, low, high = (round(tokens / rate, 3) for tokens in work)
+        return Timing(eta, low, high, round(gpu_seconds(work[0] / rate, gpus), 3))
+
+
 def estimate(
-    asked: Asked, line_count: int, lines: Sequence[Line] | None, history: History, pricing: Pricing
+    asked: Asked,
+    line_count: int,
+    lines: Sequence[Line] | None,
+    history: History,
+    pricing: Pricing,
+    caps: Sequence[int] | None = None,
 ) -> BatchEstimate:
-    """`lines`: each line's counts, None when no engine here could count them (then only what needs no count)."""
+    """`lines`: each line's counts, None when no engine here could count them (then only what needs no count);
+    `caps`: each line's output cap (by default, `lines`' `max_output_tokens`)."""
     generates = asked.endpoint not in GENERATES_NOTHING
-    per_line = history.output_per_line() if generates else 0.0
-    expected = None if per_line is None else round(per_line * line_count)
+    caps = caps if caps is not None or lines is None else [line.max_output_tokens for line in lines]
+    output = output_of(history, caps, line_count) if generates else Output(0, 0, 0)
     prompt = None if lines is None else sum(line.prompt_tokens for line in lines)
     cached = None if lines is None else sum(line.cached_tokens for line in lines)
-    rate = history.tokens_per_second(generates)
-    work = expected if generates else prompt
-    eta = None if rate is None or work is None else work / rate
-    gpu = None if eta is None else gpu_seconds(eta, pricing.gpus)
+    if generates:
+        work = None if output is None else (output.expected, output.low, output.high)
+    else:
+        work = None if prompt is None else (prompt, prompt, prompt)
+    timing = Timing.of(work, history.tokens_per_second(generates), pricing.gpus)
     return BatchEstimate(
         input_file_id=asked.input_file_id,
         endpoint=asked.endpoint,
@@ -247,23 +370,37 @@ def estimate(
         lines=line_count,
         prompt_tokens=prompt,
         max_output_tokens=None if lines is None else sum(line.max_output_tokens for line in lines),
-        expected_output_tokens=expected,
+        expected_output_tokens=None if output is None else output.expected,
+        expected_output_tokens_low=None if output is None else output.low,
+        expected_output_tokens_high=None if output is None else output.high,
         expected_cached_tokens=cached,
         expected_cached_share=None if not prompt or cached is None else round(cached / prompt, 4),
-        eta_seconds=None if eta is None else round(eta, 3),
-        gpu_seconds=None if gpu is None else round(gpu, 3),
-        cost_usd=None if gpu is None else cost_usd(gpu, pricing.gpu_hour_price),
+        eta_seconds=timing.eta,
+        eta_seconds_low=timing.low,
+        eta_seconds_high=timing.high,
+        gpu_seconds=timing.gpu,
+        cost_usd=None if timing.gpu is None else cost_usd(timing.gpu, pricing.gpu_hour_price),
         gpu_hour_price=pricing.gpu_hour_price,
-        basis=_basis(lines, history, asked.endpoint, pricing),
+        basis=_basis(lines, history, asked.endpoint, pricing, output),
     )
 
 
-def _basis(lines: Sequence[Line] | None, history: History, endpoint: str, pricing: Pricing) -> EstimateBasis:
+def _basis(
+    lines: Sequence[Line] | None, history: History, endpoint: str, pricing: Pricing, output: Output | None
+) -> EstimateBasis:
     generates = endpoint not in GENERATES_NOTHING
     rate = history.tokens_per_second(generates)
+    if not generates:
+        known: OutputKnown = "none"
+    else:
+        known = "unknown" if output is None else ("measured" if output.why is None else "range")
     return EstimateBasis(
         token_counts="unknown" if lines is None else "tokenizer",
         history_batch_ids=history.batch_ids,
+        history_lines=history.lines,
+        history_cut_lines=history.cut_lines,
+        output=known,
+        output_reason=None if output is None else output.why,
         rate="unknown" if rate is None else "measured",
         tokens_per_second=None if rate is None else round(rate, 2),
         rate_unit=None if rate is None else ("output_tokens" if generates else "input_tokens"),

@@ -65,6 +65,12 @@ class BatchRow(SQLModel, table=True):
     cached_tokens: int = Field(default=0, sa_type=BigInteger)
     output_tokens: int = Field(default=0, sa_type=BigInteger)
     reasoning_tokens: int = Field(default=0, sa_type=BigInteger)
+    # How its answers ended (`Progress`): those cut at their cap, their output tokens, and the extremes estimates
+    # compare a file's caps with.
+    cut_lines: int = 0
+    cut_output_tokens: int = Field(default=0, sa_type=BigInteger)
+    shortest_cut_output: int = 0
+    longest_uncut_output: int = 0
     # The engine time its requests used (`app.domain.cost`), as of the last checkpoint: kept with the counts, so a
     # resumed run goes on from it.
     gpu_seconds: float = 0.0

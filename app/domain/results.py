@@ -20,10 +20,23 @@ class EncodedBody:
 
     json: bytes
     usage: dict
+    cut: bool = False  # stopped at its output cap (`stopped_at_cap`)
 
 
 def encode_body(body: dict) -> EncodedBody:
-    return EncodedBody(_compact(body), body.get("usage") or {})
+    return EncodedBody(_compact(body), body.get("usage") or {}, stopped_at_cap(body))
+
+
+def stopped_at_cap(body: object) -> bool:
+    """Whether an answer stopped at its output cap, not on its own: a choice finished by `length` (the line's
+    max_tokens, or the end of the context), or a Responses answer left incomplete at `max_output_tokens`."""
+    if not isinstance(body, dict):
+        return False
+    choices = body.get("choices")
+    if isinstance(choices, list):
+        return any(isinstance(choice, dict) and choice.get("finish_reason") == "length" for choice in choices)
+    details = body.get("incomplete_details")
+    return isinstance(details, dict) and details.get("reason") == "max_output_tokens"
 
 
 def rendered_body(data: bytes) -> EncodedBody:
@@ -63,6 +76,10 @@ class Outcome:
     @property
     def usage(self) -> dict:
         return self.body.usage if self.body is not None else {}
+
+    @property
+    def cut(self) -> bool:
+        return self.body is not None and self.body.cut
 
 
 def part_names(batch_id: str, token: int) -> tuple[str, str]:
@@ -191,9 +208,9 @@ def _compact(value: object) -> bytes:
         return json.dumps(value, ensure_ascii=True, separators=(",", ":")).encode()
 
 
-def add_usage(progress: Progress, usage: dict) -> None:
-    """Chat and completions report prompt/completion tokens; responses input/output; embeddings, score and rerank
-    prompt only."""
+def add_usage(progress: Progress, usage: dict, *, cut: bool = False) -> None:
+    """One line's usage, its answer `cut` at its cap or not. Chat and completions report prompt/completion tokens;
+    responses input/output; embeddings, score and rerank prompt only."""
     prompt = usage.get("prompt_tokens", usage.get("input_tokens")) or 0
     completion = usage.get("completion_tokens", usage.get("output_tokens")) or 0
     prompt_details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details") or {}
@@ -202,3 +219,10 @@ def add_usage(progress: Progress, usage: dict) -> None:
     progress.output_tokens += completion
     progress.cached_tokens += prompt_details.get("cached_tokens") or 0
     progress.reasoning_tokens += completion_details.get("reasoning_tokens") or 0
+    if cut:
+        shortest = progress.shortest_cut_output if progress.cut_lines else completion
+        progress.cut_lines += 1
+        progress.cut_output_tokens += completion
+        progress.shortest_cut_output = min(shortest, completion)
+    else:
+        progress.longest_uncut_output = max(progress.longest_uncut_output, completion)

@@ -193,6 +193,12 @@ class ExpiresAfter(BaseModel):
     seconds: int = Field(ge=3600, le=2_592_000)
 
 
+# How well an estimate's history tells its output: `measured`, to the token (its answers ended below the file's
+# caps, or were cut at caps no lower); `range`, only between a low and a high (`output_reason` says why); `unknown`,
+# no history; `none`, the endpoint generates no output.
+OutputKnown = Literal["measured", "range", "unknown", "none"]
+
+
 class EstimateBasis(BaseModel):
     """Where an estimate's figures came from."""
 
@@ -201,6 +207,12 @@ class EstimateBasis(BaseModel):
     # The earlier completed batches of the same model and endpoint the expected output and the rate come from
     # (newest first; empty: no history, so those figures are null).
     history_batch_ids: list[str]
+    # Their lines that succeeded, and of those the ones whose answer stopped at its cap (finish_reason `length`).
+    history_lines: int
+    history_cut_lines: int
+    output: OutputKnown
+    # Why the output is a range, in words (null unless `output` is `range`).
+    output_reason: str | None
     # `measured`: the engine's own rate over those batches' runs; `unknown`: no history.
     rate: Literal["measured", "unknown"]
     # Output tokens per second over those runs (input tokens per second for an endpoint that generates none).
@@ -224,14 +236,20 @@ class BatchEstimate(BaseModel):
     prompt_tokens: int | None
     # The most output tokens the lines allow (each line's limit, or the context left after its prompt, times `n`).
     max_output_tokens: int | None
-    # Output tokens per line of earlier batches of the same model and endpoint, times the lines.
+    # Output tokens the lines give by earlier batches of the same model and endpoint, each line by its own cap: the
+    # fewest and the most their answers allow, and the expected, the middle (all three equal where they tell).
     expected_output_tokens: int | None
+    expected_output_tokens_low: int | None
+    expected_output_tokens_high: int | None
     # Prompt tokens expected from the prefix cache: lines that share their long leading text (`app.domain.
     # input_index`) after the first of them.
     expected_cached_tokens: int | None
     expected_cached_share: float | None
-    # Seconds the batch runs once it starts (not its wait for a turn), at the measured rate.
+    # Seconds the batch runs once it starts (not its wait for a turn), at the measured rate: for the expected, the
+    # fewest and the most output tokens.
     eta_seconds: float | None
+    eta_seconds_low: float | None
+    eta_seconds_high: float | None
     gpu_seconds: float | None
     # With VBATCH_GPU_HOUR_PRICE set: gpu_seconds at that price.
     cost_usd: float | None

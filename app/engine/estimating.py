@@ -68,13 +68,22 @@ async def of_checked(
         return estimates.refused(asked, report.total, BatchErrors(data=report.errors), pricing)
     bodies = await asyncio.to_thread(_bodies, report, path)
     counts = await engine.count_tokens(endpoint, bodies)
-    history = await asyncio.to_thread(
-        estimates.recent_history, db=db, model=model, endpoint=endpoint, lines=report.total, wave=_wave(engine)
-    )
     max_model_len = engine.engine_config.get("max_model_len")
     context = max_model_len if isinstance(max_model_len, int) else DEFAULT_MAX_MODEL_LEN
-    lines = None if counts is None else _lines(endpoint, bodies, counts, context)
-    return estimates.estimate(asked, report.total, lines, history, pricing)
+    # Without counts (an API replica), each line's cap is taken as its limit or the whole context.
+    capped = _lines(endpoint, bodies, counts or [None] * len(bodies), context)
+    caps = [line.max_output_tokens for line in capped]
+    history = await asyncio.to_thread(
+        estimates.recent_history,
+        db=db,
+        model=model,
+        endpoint=endpoint,
+        lines=report.total,
+        wave=_wave(engine),
+        caps=caps,
+    )
+    lines = None if counts is None else capped
+    return estimates.estimate(asked, report.total, lines, history, pricing, caps)
 
 
 def _wave(engine: EngineView) -> int | None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from app.core.storage import ResultAppender, ShipParts
 from app.domain.batches import Progress
-from app.domain.results import Outcome, add_usage, line_for
+from app.domain.results import Outcome, add_usage, line_for, stopped_at_cap
 
 log = logging.getLogger("vbatch.runner")
 
@@ -72,7 +72,7 @@ class ResultSink:
                 else:
                     self.progress.failed += 1
                 body = (record.get("response") or {}).get("body") or {}
-                add_usage(self.progress, body.get("usage") or {})
+                add_usage(self.progress, body.get("usage") or {}, cut=stopped_at_cap(body))
 
     def record(self, position: int, outcome: Outcome) -> None:
         self.done.add(position)
@@ -82,7 +82,7 @@ class ResultSink:
         else:
             self.errors.add(line_for(outcome))
             self.progress.failed += 1
-        add_usage(self.progress, outcome.usage)
+        add_usage(self.progress, outcome.usage, cut=outcome.cut)
         if self.observe is not None:
             self.observe(outcome)
 

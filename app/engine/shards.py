@@ -16,7 +16,7 @@ import contextlib
 import itertools
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 
 from app.core import clock
@@ -152,8 +152,7 @@ def _cancel(ctx: Context, shards: list[BatchRow]) -> None:
 def _sum(shards: list[BatchRow]) -> Progress:
     total = Progress()
     for shard in shards:
-        for field in fields(Progress):
-            setattr(total, field.name, getattr(total, field.name) + getattr(shard, field.name))
+        total = total.plus(batches.progress_of(shard))
     return total
 
 

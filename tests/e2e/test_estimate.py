@@ -12,6 +12,7 @@ from pathlib import Path
 
 from openai import OpenAI
 
+from app.domain import estimates
 from bench.common import write_ticket_batch
 from bench.compare import SAMPLING
 from tests.e2e.conftest import MODEL
@@ -20,11 +21,20 @@ from tests.e2e.helpers import lines_of, wait_terminal
 TICKETS = 48  # `bench.compare`'s CPU run: --prompts 48 --max-tokens 32
 MAX_TOKENS = 32
 CHAT = "/v1/chat/completions"
+# Issue 38: batches of 20 tickets at max_tokens 16, then a file at 64. As many small batches as the estimate keeps
+# (`estimates.HISTORY_BATCHES`), so that no other test's batch of this session is in its history.
+SHORT_BATCHES, SHORT_LINES, SHORT_CAP = 5, 20, 16
+LONG_LINES, LONG_CAP = 60, 64
 
 
 def _estimate(client: OpenAI, file_id: str) -> dict:
     body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
     return client.post("/batches/estimate", body=body, cast_to=object)  # type: ignore[return-value]
+
+
+def _upload_tickets(client: OpenAI, path: Path, count: int, max_tokens: int, first: int) -> str:
+    write_ticket_batch(path, count, model=MODEL, sampling={**SAMPLING, "max_tokens": max_tokens}, first=first)
+    return client.files.create(file=(path.name, io.BytesIO(path.read_bytes())), purpose="batch").id
 
 
 def _run(client: OpenAI, server, file_id: str) -> tuple[list[dict], dict, float]:
@@ -88,3 +98,49 @@ def test_a_shared_instruction_is_expected_cached_as_the_engine_caches_it(openai_
     assert expected["prompt_tokens"] == done.usage.input_tokens
     assert expected["expected_cached_tokens"] > 0 and expected["expected_cached_share"] > 0.5
     assert abs(expected["expected_cached_tokens"] - actual) <= 0.1 * expected["expected_cached_tokens"]
+
+
+def test_after_batches_cut_at_a_lower_cap_the_actual_is_inside_the_range(openai_client, server, tmp_path: Path):
+    """The issue's case: answers cut at max_tokens 16 say only that they would have run at least 16 tokens, so a
+    file at 64 gets a range its actual falls in (it got one figure, a quarter of the actual). Once one batch at 64
+    has run, it alone is the history, and the expected output and ETA are within 30% of the next batch's."""
+    assert SHORT_BATCHES == estimates.HISTORY_BATCHES
+    for k in range(SHORT_BATCHES):
+        short = _upload_tickets(openai_client, tmp_path / f"short-{k}.jsonl", SHORT_LINES, SHORT_CAP, k * SHORT_LINES)
+        _run(openai_client, server, short)
+    long_id = _upload_tickets(openai_client, tmp_path / "long.jsonl", LONG_LINES, LONG_CAP, 1000)
+    before = _estimate(openai_client, long_id)
+    basis = before["basis"]
+    assert basis["output"] == "range" and basis["history_cut_lines"] > 0, basis
+    assert basis["history_lines"] == SHORT_BATCHES * SHORT_LINES
+    _, first_usage, first_seconds = _run(openai_client, server, long_id)
+    low, high = before["expected_output_tokens_low"], before["expected_output_tokens_high"]
+    print(
+        "cut at 16, then a file at 64 (CPU):",
+        json.dumps(
+            {
+                "output": [low, before["expected_output_tokens"], high, first_usage["output_tokens"]],
+                "eta_seconds": [
+                    before["eta_seconds_low"],
+                    before["eta_seconds"],
+                    before["eta_seconds_high"],
+                    first_seconds,
+                ],
+                "output_reason": basis["output_reason"],
+            }
+        ),
+    )
+    assert low <= first_usage["output_tokens"] <= high
+
+    after = _estimate(openai_client, long_id)
+    assert after["basis"]["output"] == "measured" and len(after["basis"]["history_batch_ids"]) == 1
+    _, second_usage, second_seconds = _run(openai_client, server, long_id)
+    actual = second_usage["output_tokens"]
+    print(
+        "after one batch at 64 (CPU):",
+        json.dumps(
+            {"output": [after["expected_output_tokens"], actual], "eta_seconds": [after["eta_seconds"], second_seconds]}
+        ),
+    )
+    assert abs(after["expected_output_tokens"] - actual) <= 0.3 * actual
+    assert abs(after["eta_seconds"] - second_seconds) <= 0.3 * second_seconds

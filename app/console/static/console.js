@@ -88,17 +88,23 @@ function showEstimate(estimate) {
   if (!estimate) return;
   const set = (id, text) => { document.getElementById(id).textContent = text; };
   set("estimate-prompt", number(estimate.prompt_tokens));
-  set("estimate-output", `${number(estimate.expected_output_tokens)} expected, at most ${number(estimate.max_output_tokens)}`);
+  // Where the history tells only a range (answers cut at a lower cap), the expected figure is its middle.
+  const between = (low, high, digits = 0, unit = "") =>
+    low === null || high === null || low === high ? "" : ` (${number(low, digits)} to ${number(high, digits)}${unit})`;
+  const outputRange = between(estimate.expected_output_tokens_low, estimate.expected_output_tokens_high);
+  set("estimate-output", `${number(estimate.expected_output_tokens)} expected${outputRange}, at most ${number(estimate.max_output_tokens)}`);
   const share = estimate.expected_cached_share;
   set("estimate-cached", share === null ? unknown : `${number(estimate.expected_cached_tokens)} (${(share * 100).toFixed(1)}%)`);
-  set("estimate-eta", estimate.eta_seconds === null ? unknown : `${number(estimate.eta_seconds, 1)} s`);
+  set("estimate-eta", estimate.eta_seconds === null ? unknown
+    : `${number(estimate.eta_seconds, 1)} s${between(estimate.eta_seconds_low, estimate.eta_seconds_high, 1, " s")}`);
   set("estimate-gpu", number(estimate.gpu_seconds, 1));
   set("estimate-cost", estimate.cost_usd === null ? "no price set (VBATCH_GPU_HOUR_PRICE)" : `$${number(estimate.cost_usd, 4)}`);
   const basis = estimate.basis;
-  set("estimate-basis", basis.rate === "measured"
+  const rate = basis.rate === "measured"
     ? `From ${basis.history_batch_ids.length} earlier batch(es) of ${estimate.model} on ${estimate.endpoint}: ` +
       `${number(basis.tokens_per_second, 1)} ${basis.rate_unit.replace("_", " ")}/s.`
-    : `Rate unknown: no earlier batch of ${estimate.model} on ${estimate.endpoint} has completed here.`);
+    : `Rate unknown: no earlier batch of ${estimate.model} on ${estimate.endpoint} has completed here.`;
+  set("estimate-basis", basis.output_reason ? `${rate} Output is a range: ${basis.output_reason}` : rate);
 }
 
 function showReport(answer, endpoint) {
