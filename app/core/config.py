@@ -36,7 +36,11 @@ def base_url(host: str, port: int, *, wildcard_name: str | None = None) -> str:
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VBATCH_", extra="ignore")
+    # The comment above a field is its description in the docs' settings page (`app/reference/settings.py`
+    # reads it from here); it describes every field below it up to a blank line or the next comment.
 
+    # The service's own directory: the SQLite database (`vbatch.db`), stored files (`files/`) unless
+    # VBATCH_STORAGE_URL is set, the prepared default model (`models/`), the console's secret. Made 0700.
     data_dir: Path = Path("data")
     # SQLAlchemy URL of the database: unset, the SQLite file `vbatch.db` in the data directory; for Postgres,
     # `postgresql+psycopg://user:password@host/dbname`.
@@ -49,22 +53,31 @@ class Settings(BaseSettings):
     # one folder per adapter, `<name>/adapter_config.json` and its weights. A line or online request whose `model` is
     # no served name but such a folder's runs on that adapter of the base model (the engine needs `--enable-lora`).
     lora_dir: str | None = None
+    # Where the API listens (`--host`, `--port`). An address other than loopback needs API keys, or
+    # `--insecure-no-auth`.
     host: str = "127.0.0.1"
     port: int = 8000
     # Bearer keys, comma-separated and/or one a line in a file. With none, vbatch serves loopback only.
     api_keys: str = ""
     api_keys_file: Path | None = None
+    # The `completion_window` values a batch may ask for, comma-separated (`30m`, `24h`, `48h`, `7d`, ...).
     # OpenAI accepts only "24h"; a self-hosted box may want longer (or, in tests, shorter) windows.
     completion_windows: str = "24h"
+    # Lines (requests) an input file may hold, as at OpenAI.
     max_requests_per_batch: int = 50_000
+    # The largest upload of a purpose other than `batch` (413 above it, counted as the body streams in).
     max_upload_bytes: int = 512 * 1000 * 1000
+    # The largest `purpose=batch` upload (413 above it, counted as the body streams in), as at OpenAI.
     max_batch_upload_bytes: int = 200 * 1000 * 1000
+    # The largest line of an input file (a larger one fails validation, `line_too_large`).
     max_line_bytes: int = 10 * 1024 * 1024
     # Batches a key may have validating, running or finishing at once (0: no limit).
     max_active_batches_per_key: int = 100
     # The largest `n` (choices per request) a batch line may ask for.
     max_choices_per_request: int = 128
+    # When a `purpose=batch` upload expires unless it sets `expires_after` (30 days).
     batch_file_ttl_seconds: int = 30 * 86400
+    # When output and error files expire unless their batch sets `output_expires_after` (30 days).
     output_file_ttl_seconds: int = 30 * 86400
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
@@ -73,6 +86,7 @@ class Settings(BaseSettings):
     # far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way only
     # when batch lines really are in the way. 0: the window stays at max_in_flight.
     live_ttft_target_ms: float = 500.0
+    # How often a running batch logs its progress (done/total, requests/s, output tokens/s, ETA).
     progress_log_seconds: float = 5.0
     # USD per GPU-hour of the engine's devices: with it, an estimate has its cost (`app.domain.estimates`), each
     # batch's progress has its cost (`app.domain.cost`) and /metrics counts cost beside GPU-seconds. Unset:
@@ -92,7 +106,8 @@ class Settings(BaseSettings):
     shard_lines: int = 5000
     # Times a line may kill the engine while running alone before it goes to the error file.
     engine_deaths_per_line: int = 2
-    # JSON request bodies (batch creation) are far smaller; a larger one is refused before it is read whole.
+    # The largest JSON request body (413 `request_too_large` above it): batch creation's are far smaller, and a
+    # larger one is refused before it is read whole.
     max_json_body_bytes: int = 256 * 1024
     # Slow clients: headers must be in this long after the connection (or the previous response), and a body must
     # come at this many bytes a second on average after that long (408 otherwise).
@@ -121,9 +136,13 @@ class Settings(BaseSettings):
     webhook_secret: str | None = None
     # Private, loopback and link-local receivers are refused unless allowed (SSRF).
     webhook_allow_private: bool = False
+    # The first retry's delay after a failed delivery; it doubles at each retry, up to an hour, with jitter.
     webhook_retry_base_seconds: float = 5.0
+    # How long an event is retried before it is given up (72 hours).
     webhook_give_up_seconds: int = 72 * 3600
+    # How often the sender looks for events due.
     webhook_poll_seconds: float = 1.0
+    # How long an event a sender claimed is its alone (another process's sender takes it over after that).
     webhook_lease_seconds: float = 60.0
     # SIGTERM: how long the engine may take to stop (runs checkpoint and stop) before the process exits anyway.
     drain_seconds: float = 30.0
