@@ -15,6 +15,7 @@ from app.launch import (
     add_service_options,
     check_binding,
     engine_factory_from,
+    options_first,
     prepare_engine_args,
     server_options,
     service_app,
@@ -54,13 +55,21 @@ def api(argv: list[str]) -> None:
     from app.engine.view import WorkersView
     from app.main import Role, create_app
 
-    parser = add_service_options(argparse.ArgumentParser(prog="vbatch api"))
-    parser.add_argument("--host", default=None)
-    parser.add_argument("--port", type=int, default=None)
-    args = parser.parse_args(argv)
+    args = api_parser().parse_args(argv)
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     _run_app(create_app(settings, WorkersView(), Role.API), settings)
+
+
+def api_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vbatch api",
+        description="The HTTP API and the console, without an engine: `vbatch worker`s that share its database and "
+        "store run the batches and answer the online requests it forwards.",
+    )
+    parser.add_argument("--host", default=None, help="Where the API listens (default 127.0.0.1, VBATCH_HOST).")
+    parser.add_argument("--port", type=int, default=None, help="The API's port (default 8000, VBATCH_PORT).")
+    return add_service_options(parser)
 
 
 def _run_app(app, settings: Settings) -> None:
@@ -84,19 +93,8 @@ def run(argv: list[str]) -> None:
     import asyncio
 
     from app.engine.offline import run_file
-    from app.engine.vllm_adapter import run_batch_parser
 
-    parser = run_batch_parser("vbatch run")
-    parser.add_argument("--error-file", default=None, help="Where failed lines go (default: beside -o).")
-    parser.add_argument("--data-dir", default=None, help="Where the default model is prepared.")
-    if not any("--api-server-count" in action.option_strings for action in parser._actions):
-        parser.add_argument(
-            "--api-server-count",
-            type=int,
-            default=None,
-            help="Front-end processes over the one engine, as for `vllm serve` (default: from the host's cores).",
-        )
-    args = parser.parse_args(argv)
+    args = run_parser().parse_args(argv)
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
     prepare_engine_args(argv, args, settings)
     output = Path(args.output_file)
@@ -110,11 +108,45 @@ def run(argv: list[str]) -> None:
     sys.exit(code)
 
 
+def run_parser() -> argparse.ArgumentParser:
+    """`vllm run-batch`'s own parser, and vbatch's options."""
+    from app.engine.vllm_adapter import run_batch_parser
+
+    parser = run_batch_parser("vbatch run")
+    parser.add_argument("--error-file", default=None, help="Where failed lines go (default: beside -o).")
+    parser.add_argument("--data-dir", default=None, help="Where the default model is prepared.")
+    if not any("--api-server-count" in action.option_strings for action in parser._actions):
+        parser.add_argument(
+            "--api-server-count",
+            type=int,
+            default=None,
+            help="Front-end processes over the one engine, as for `vllm serve` (default: from the host's cores).",
+        )
+    parser.usage = "%(prog)s -i INPUT_FILE -o OUTPUT_FILE [--error-file FILE] [vbatch options] [vLLM engine args]"
+    run_batch_own = ("input_file", "output_file", "error_file", "data_dir", "api_server_count")
+    own = [action for action in parser._actions if action.dest in run_batch_own]
+    return options_first(parser, "The offline drop-in for `vllm run-batch`: a file in, results out, no service.", own)
+
+
 def merge(argv: list[str]) -> None:
     """`vbatch merge`: a batch's results and its retries' in one file, every custom_id once, in the input's order."""
     from app.core.errors import DomainError
     from app.domain.merge import MergeRefused
 
+    parser = merge_parser()
+    args = parser.parse_args(argv)
+    if args.input is None and len(args.sources) != 1:
+        parser.error("give one batch id, or --input and the result files")
+    try:
+        report = _merge_into(Path(args.output), args)
+    except (DomainError, MergeRefused, OSError) as exc:
+        print(f"vbatch merge: {getattr(exc, 'message', exc)}", file=sys.stderr)
+        sys.exit(2)
+    missing = f", {len(report.no_result)} with no result (error code no_result)" if report.no_result else ""
+    print(f"{report.lines} lines: {report.succeeded} succeeded, {report.failed} failed{missing}", file=sys.stderr)
+
+
+def merge_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vbatch merge",
         description="Join the results of a batch and its retries (POST /v1/batches/{id}/retry) into one JSONL: "
@@ -129,16 +161,7 @@ def merge(argv: list[str]) -> None:
     parser.add_argument("--input", default=None, help="The first batch's input file (the sources are then files).")
     parser.add_argument("-o", "--output", required=True, help="Where the merged lines go.")
     parser.add_argument("--data-dir", default=None, help="The service's data directory (for a batch id).")
-    args = parser.parse_args(argv)
-    if args.input is None and len(args.sources) != 1:
-        parser.error("give one batch id, or --input and the result files")
-    try:
-        report = _merge_into(Path(args.output), args)
-    except (DomainError, MergeRefused, OSError) as exc:
-        print(f"vbatch merge: {getattr(exc, 'message', exc)}", file=sys.stderr)
-        sys.exit(2)
-    missing = f", {len(report.no_result)} with no result (error code no_result)" if report.no_result else ""
-    print(f"{report.lines} lines: {report.succeeded} succeeded, {report.failed} failed{missing}", file=sys.stderr)
+    return parser
 
 
 def _merge_into(output: Path, args: argparse.Namespace) -> MergeReport:
@@ -193,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
         "cluster": cluster,
         "merge": merge,
     }
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        return
     if not argv or argv[0] not in commands:
         print(USAGE, file=sys.stderr)
         sys.exit(2)

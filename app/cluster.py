@@ -191,20 +191,80 @@ def pool_actor_name(name: str | None) -> str:
     return POOL_NAME if name is None else f"{POOL_NAME}-{name}"
 
 
+def _cluster_options(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="The Ray cluster (`auto`, `ray://HOST:10001`, ...; default: RAY_ADDRESS, else a cluster `ray start` "
+        "left running here, else a new local one).",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        help="The replicas' data directory (VBATCH_DATA_DIR; with an object store each replica keeps its scratch in "
+        "DIR/replica-N).",
+    )
+
+
+def _pool_options(parser: argparse._ActionsContainer) -> None:
+    parser.add_argument("--replicas", type=int, default=1, help="How many `vbatch worker`s the pool runs (default 1).")
+    parser.add_argument(
+        "--gpus-per-replica",
+        type=float,
+        default=None,
+        help="GPUs Ray gives each replica (default: 1 where Ray sees GPUs, else 0); with --tensor-parallel-size K, K.",
+    )
+    parser.add_argument("--cpus-per-replica", type=float, default=1.0, help="CPUs Ray reserves for each replica.")
+
+
 def _cluster_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vbatch cluster", add_help=False, allow_abbrev=False)
-    parser.add_argument(
-        "--ray-address", default=None, help="The Ray cluster (default: RAY_ADDRESS, or a new local one)."
-    )
-    parser.add_argument("--data-dir", default=None)
+    _cluster_options(parser)
     return parser
 
 
 def _pool_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vbatch cluster --pool NAME", add_help=False, allow_abbrev=False)
-    parser.add_argument("--replicas", type=int, default=1)
-    parser.add_argument("--gpus-per-replica", type=float, default=None, help="Default: 1 where Ray sees GPUs, else 0.")
-    parser.add_argument("--cpus-per-replica", type=float, default=1.0)
+    _pool_options(parser)
+    return parser
+
+
+def help_parser() -> argparse.ArgumentParser:
+    """What `vbatch cluster --help` prints: the cluster's and its pools' own options (the engine's are `vbatch
+    worker`'s, which `vbatch worker --help` shows)."""
+    parser = argparse.ArgumentParser(
+        prog="vbatch cluster",
+        usage="%(prog)s [cluster options] [pool options] [vLLM engine args]\n"
+        "       %(prog)s [cluster options] --pool NAME [pool options] [vLLM engine args] --pool NAME2 ...\n"
+        "       %(prog)s scale N [--pool NAME] [--ray-address ADDR]",
+        description="`vbatch worker`s as Ray actors, placed, restarted and scaled by Ray; runs until SIGTERM or\n"
+        "Ctrl-C. Needs the `ray` extra, and Postgres and an S3 store (VBATCH_DATABASE_URL, VBATCH_STORAGE_URL)\n"
+        "once it spans machines.",
+        epilog="vLLM engine args: those of `vbatch worker` (--model, --max-model-len, --tensor-parallel-size, ...;\n"
+        "`vbatch worker --help`), for every replica of the pool they follow.\n"
+        "`vbatch cluster scale N [--pool NAME]` resizes a pool of a running cluster (`vbatch cluster scale --help`).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _cluster_options(parser.add_argument_group("cluster options"))
+    pool = parser.add_argument_group("pool options", "Once for the one pool, or after each --pool NAME.")
+    pool.add_argument(
+        "--pool",
+        metavar="NAME",
+        help="Starts a pool of its own (an actor named vbatch-pool-NAME): its options and engine args follow it.",
+    )
+    _pool_options(pool)
+    return parser
+
+
+def scale_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vbatch cluster scale", description="Resize one pool of a running `vbatch cluster`."
+    )
+    parser.add_argument("replicas", type=int, help="The pool's new number of replicas.")
+    parser.add_argument("--pool", default=None, help="The pool's name, as given to `vbatch cluster --pool NAME`.")
+    parser.add_argument(
+        "--ray-address", default=None, help="The running cluster's Ray address (default: auto, this machine's)."
+    )
     return parser
 
 
@@ -255,11 +315,7 @@ def _scale(argv: list[str]) -> None:
     """`vbatch cluster scale N [--pool NAME]`: resize one pool of a running cluster (the one, without `--pool`)."""
     import ray
 
-    scale = argparse.ArgumentParser(prog="vbatch cluster scale")
-    scale.add_argument("replicas", type=int)
-    scale.add_argument("--pool", default=None, help="The pool's name, as given to `vbatch cluster --pool NAME`.")
-    scale.add_argument("--ray-address", default=None)
-    args = scale.parse_args(argv)
+    args = scale_parser().parse_args(argv)
     ray.init(address=args.ray_address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING)
     name = pool_actor_name(args.pool)
     pool = ray.get_actor(name, namespace=NAMESPACE)
@@ -269,6 +325,9 @@ def _scale(argv: list[str]) -> None:
 def main(argv: list[str]) -> None:
     """`vbatch cluster [options] [engine args]` (or its pools, `parse_pools`) runs until SIGTERM or SIGINT;
     `vbatch cluster scale N [--pool NAME]` resizes a running one's pool."""
+    if argv[:1] != ["scale"] and ("-h" in argv or "--help" in argv):
+        help_parser().print_help()  # its own options: the engine args' are `vbatch worker --help`'s
+        return
     import ray
 
     from app.launch import parse_service_args

@@ -76,18 +76,63 @@ def announced_adapters(args: argparse.Namespace) -> list[Adapter]:
 
 
 def parse_service_args(argv: list[str], role: str) -> argparse.Namespace:
+    return service_parser(role).parse_args(argv)
+
+
+# What `vbatch serve --help` and `vbatch worker --help` say first: the role, and the options vbatch reads itself
+# (`--host` and `--port` are `vllm serve`'s flags, which vbatch listens on).
+SERVICE_OPTIONS = ("host", "port", "data_dir", "insecure_no_auth")
+SERVICE_HELP = {
+    "host": "Where it listens (default 127.0.0.1, or VBATCH_HOST); an address other than loopback needs API keys, or "
+    "--insecure-no-auth.",
+    "port": "Its port (default 8000).",
+}
+ROLE_SUMMARIES = {
+    "serve": "The API, the web console and one vLLM engine in one process, on SQLite and the data directory.",
+    "worker": "A vLLM engine and the batches it claims, beside `vbatch api` replicas that share its database and\n"
+    "store; its port answers /health, /metrics, /v1/models and the online requests the replicas forward.",
+}
+
+
+def service_parser(role: str) -> argparse.ArgumentParser:
+    """`vbatch serve`'s or `vbatch worker`'s: vbatch's options, then `vllm serve`'s (every engine flag). Its help
+    shows vbatch's options in full first; vLLM's help lists only its groups of engine flags."""
     from app.engine.vllm_adapter import serve_parser
 
-    return add_service_options(serve_parser(f"vbatch {role}")).parse_args(argv)
+    parser = add_service_options(serve_parser(f"vbatch {role}"))
+    parser.usage = "%(prog)s [vbatch options] [vLLM engine args]"
+    own = [action for action in parser._actions if action.dest in SERVICE_OPTIONS]
+    for action in own:
+        action.help = SERVICE_HELP.get(action.dest, action.help)
+    return options_first(parser, ROLE_SUMMARIES[role], own)
+
+
+def options_first(parser: argparse.ArgumentParser, summary: str, own: list[argparse.Action]) -> argparse.ArgumentParser:
+    """`parser`'s help says `summary` and the `own` options in full before vLLM's groups of engine flags (vLLM's
+    parser lists only the groups' names, and keeps its description as written)."""
+    formatter = argparse.HelpFormatter(parser.prog)
+    formatter.start_section("vbatch options")
+    formatter.add_arguments(own)
+    formatter.end_section()
+    parser.description = (
+        f"{summary}\n\n{formatter.format_help()}\n"
+        "vLLM engine args: exactly those of `vllm serve` (--model, --max-model-len, --tensor-parallel-size, ...).\n"
+        "--help=GROUP lists one group of them (the groups below), --help=all all of them,\n"
+        "--help=WORD those whose name holds WORD."
+    )
+    return parser
 
 
 def add_service_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    parser.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
-    parser.add_argument(
+    own = parser.add_argument_group("vbatch options")
+    own.add_argument("--data-dir", default=None, help="Where files, results and the database live.")
+    own.add_argument(
         "--insecure-no-auth",
         action="store_true",
         help="Serve on a non-loopback address without API keys (anyone who reaches the port can use it).",
     )
+    # First in --help: before vLLM's several hundred engine flags, where they would be lost.
+    parser._action_groups.insert(0, parser._action_groups.pop())
     return parser
 
 
