@@ -22,7 +22,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("domain", ("app.domain",)),
     ("engine", ("app.engine",)),
     ("http", ("app.api", "app.console", "app.outbox")),
-    ("wiring", ("app.main", "app.openapi", "app.launch", "app.cli", "app.cluster", "app.testing", "app.__main__")),
+    (
+        "wiring",
+        (
+            "app.main",
+            "app.openapi",
+            "app.launch",
+            "app.cli",
+            "app.cluster",
+            "app.testing",
+            "app.__main__",
+            "app.reference",
+        ),
+    ),
 )
 MAX_FUNCTION_LINES = 59
 
