@@ -72,7 +72,7 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
     app.state.online_limits = _online_limits(settings, role)
     app.state.engine = engine
     app.state.metrics = Metrics()
-    app.state.metrics.watch(lambda: metrics_state(app.state.db, engine))
+    app.state.metrics.watch(lambda: metrics_state(app.state.db, engine, app.state.storage.reserve))
     _add_middleware(app, settings)
     install_error_handlers(app)
     document_errors(app)
@@ -216,13 +216,15 @@ class RequestLog:
         access_log.info("%s %s %d", request.method, request.url.path, fields["status"], extra=fields)
 
 
-def metrics_state(db: Engine, engine: EngineView) -> State:
+def metrics_state(db: Engine, engine: EngineView, disk: DiskReserve) -> State:
     return State(
         batches_by_status=batches.count_by_status(db=db),
         lines_waiting=batches.lines_waiting(db=db),
         running=engine.live_rates(),
         engine_deaths=engine.deaths,
         engine_up=engine.state == "ok",
+        disk_free_bytes=disk.free_bytes(),
+        disk_reserve_held=disk.held,
     )
 
 

@@ -160,12 +160,16 @@ class State:
         running: dict[str, tuple[float, float]],
         engine_deaths: int,
         engine_up: bool,
+        disk_free_bytes: int | None = None,
+        disk_reserve_held: bool | None = None,
     ) -> None:
         self.batches_by_status = batches_by_status
         self.lines_waiting = lines_waiting
         self.running = running  # batch id -> (requests/s, output tokens/s)
         self.engine_deaths = engine_deaths
         self.engine_up = engine_up
+        self.disk_free_bytes = disk_free_bytes  # of the data directory's file system (None: not known here)
+        self.disk_reserve_held = disk_reserve_held
 
 
 class _Now(Collector):
@@ -201,6 +205,22 @@ class _Now(Collector):
             "vbatch_engine_restarts", "Engine deaths after which a new engine was started.", value=now.engine_deaths
         )
         yield GaugeMetricFamily("vbatch_engine_up", "1 while the engine serves.", value=1 if now.engine_up else 0)
+        yield from _disk(now)
+
+
+def _disk(now: State) -> Iterator[Any]:
+    """Room on the data directory's disk (`app.core.disk`): what an alert watches before it fills."""
+    if now.disk_free_bytes is not None:
+        yield GaugeMetricFamily(
+            "vbatch_disk_free_bytes", "Free bytes on the data directory's file system.", value=now.disk_free_bytes
+        )
+    if now.disk_reserve_held is not None:
+        yield GaugeMetricFamily(
+            "vbatch_disk_reserve_held",
+            "1 while the disk reserve is held; 0 once the disk filled and it was released (uploads get 507, running "
+            "batches end, /health says unavailable) until there is room again.",
+            value=1 if now.disk_reserve_held else 0,
+        )
 
 
 # The batch window (`app.engine.window`) and the engine's preemptions, read at scrape time from the process that runs
