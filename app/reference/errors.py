@@ -187,13 +187,14 @@ INTRO = """Every error vbatch sends carries one of the codes below, in one of th
   object not in a state that allows it, 413 for a body or upload past its limit, 429 for a limit of the key's
   (`retry-after`; `x-should-retry: false` where only waiting for the key's own batches helps), 503 for a database
   or engine that cannot take the request now (`retry-after`), 507 for a full disk.
-- **A failed batch's `errors.data`**: each problem of an input file with its 1-based `line` (validation stops at
-  no line: every problem of the file is listed), or the reason a batch could not run or end.
+- **A failed batch's `errors.data`**: each problem of an input file with its 1-based `line` (validation does not
+  stop at the first: every problem of the file is listed), or the reason a batch could not run or end.
 - **A result line's `error`** in a batch's error file: `{"custom_id", "response": null, "error": {"code",
   "message"}}` for a request that never got an answer (cancelled, expired, its engine crashed on it).
 
-The online endpoints (`/v1/chat/completions`, ...) pass vLLM's own errors through (`"type": "BadRequestError"`,
-`"code": 400`, as `vllm serve` answers); the codes below are vbatch's. A message shows its variable parts as
-`{name}`; a status is shown where the code that raises it names it, and otherwise follows the error's kind above.
+The online endpoints (`/v1/chat/completions`, ...) pass vLLM's own errors through as `vllm serve` answers them
+(vLLM's `type`, and the status as `code`, such as `"code": 400`); the codes below are vbatch's. A message shows
+its variable parts as `{name}`; a status is shown where the code that raises it names it, and otherwise follows the
+error's kind above.
 
 """
