@@ -35,5 +35,5 @@ def refuse_on_loop(call: str) -> None:
         return
     raise BlockingOnLoop(
         f"{call} on a thread running an event loop: synchronous database and object-store calls run in a plain "
-        "`def` route or through asyncio.to_thread (README, Layout: blocking work)"
+        "`def` route or through asyncio.to_thread (docs/explanation/architecture.md, 'Blocking work')"
     )
