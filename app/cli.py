@@ -206,6 +206,10 @@ def _chain_paths(batch_id: str, settings: Settings) -> tuple[Path, list[Path]]:
 
 
 def main(argv: list[str] | None = None) -> None:
+    if argv is None and sys.argv[1:2] in (["serve"], ["worker"], ["api"], ["run"]):
+        from app.core.orphans import start_in_lineage
+
+        start_in_lineage()  # first: every process these commands start is ended with them (app.core.orphans)
     argv = list(sys.argv[1:] if argv is None else argv)
     logs.configure(Settings().log_format)
     commands = {
