@@ -68,7 +68,7 @@ class Sampler:
         headers = {"Authorization": f"Bearer {KEYS[-1]}"}
         with httpx.Client(base_url=f"{self.base_url}/v1", timeout=120, headers=headers) as client:
             while not self.stop.wait(0.5):
-                self.chat.append(_timed(lambda: client.post(CHAT, json=body)))
+                self.chat.append(_timed(lambda: client.post("/chat/completions", json=body)))
 
     def numbers(self) -> dict:
         return {"health": percentiles(self.health), "chat": percentiles(self.chat)}

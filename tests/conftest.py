@@ -26,6 +26,8 @@ os.environ["VBATCH_GUARD_BLOCKING"] = "true"
 # A small disk reserve in every server process the tests start (their data directories, 32 MiB each by default, took
 # 4.5 GiB of a run); tests of the reserve set their own.
 os.environ.setdefault("VBATCH_DISK_RESERVE_BYTES", "65536")
+# API replicas and workers start only with a fleet secret (`app.core.fleet`): one for every one the tests start.
+os.environ.setdefault("VBATCH_FLEET_SECRET", "tests-fleet-secret-0123456789abcdef")
 
 
 BOTH_BACKENDS = ("sqlite", "postgres_s3")

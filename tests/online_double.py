@@ -9,7 +9,7 @@ import json
 import threading
 from collections.abc import AsyncIterator
 
-from app.domain.online import EngineUnavailable, OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.testing import FAKE_MODEL as MODEL
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
@@ -67,6 +67,7 @@ class OnlineDouble:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, dict]] = []
+        self.tenants: list[str] = []  # whom each call was answered for
         self.events = list(CHAT_EVENTS)
         self.usage = dict(USAGE)
         self.status = 200
@@ -77,8 +78,10 @@ class OnlineDouble:
         self.cancelled = threading.Event()
         self.sent = 0
 
-    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+    async def respond(self, request: OnlineRequest) -> OnlineAnswer:
+        endpoint, body = request.endpoint, request.body
         self.calls.append((endpoint, body))
+        self.tenants.append(request.tenant)
         if self.unavailable is not None:
             raise EngineUnavailable(self.unavailable)
         if body.get("stream"):

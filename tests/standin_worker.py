@@ -5,7 +5,8 @@ in a process of its own, for a test to kill or freeze.
 A body with `stream: true` gets `STREAM`, in pieces cut across its events' boundaries (`hold: true`: its first
 event and half the next, then nothing until the client leaves; `cut: true`: the same, then the connection is
 dropped); a body with `cut: true` alone gets a JSON answer cut off midway;
-`status: N` that status with vLLM's error body; any other body a JSON echo of what the worker was sent.
+`status: N` that status with vLLM's error body; any other body a JSON echo of what the worker was sent (its body
+parsed and as sent, and the headers that say who sent it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from app.core.fleet import FLEET_HEADER
 from app.domain.online import ONLINE_ENDPOINTS
 
 
@@ -35,6 +37,13 @@ EVENTS = [
 STREAM = b"".join(EVENTS)
 # Cut inside events, and one piece holding the end of one event and the start of the next.
 PIECES = [STREAM[:7], STREAM[7:150], STREAM[150:151], STREAM[151:]]
+
+
+class _EchoJSON(JSONResponse):
+    """An echo of what was sent, NaN and lone surrogates too (as vLLM's own answers echo them)."""
+
+    def render(self, content: object) -> bytes:
+        return json.dumps(content, allow_nan=True).encode()
 
 
 class Standin:
@@ -55,12 +64,14 @@ class Standin:
         if "status" in body:
             error = {"message": "refused", "type": "BadRequestError", "param": None, "code": body["status"]}
             return JSONResponse({"error": error}, status_code=body["status"])
-        return JSONResponse(
+        return _EchoJSON(
             {
                 "worker": self.name,
                 "path": request.url.path,
                 "authorization": request.headers.get("authorization"),
                 "request_id": request.headers.get("x-request-id"),
+                "fleet": request.headers.get(FLEET_HEADER),
+                "raw": (await request.body()).decode("utf-8", "surrogateescape"),
                 "body": body,
             }
         )

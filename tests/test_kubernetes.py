@@ -65,7 +65,7 @@ def test_the_pods_run_vbatch_roles_on_the_ports_their_probes_and_service_use():
     [settings] = config.values()
     [credentials] = secret.values()
     assert settings["data"]["VBATCH_STORAGE_URL"].startswith("s3://")
-    assert {"VBATCH_DATABASE_URL", "VBATCH_API_KEYS"} <= credentials["stringData"].keys()
+    assert {"VBATCH_DATABASE_URL", "VBATCH_API_KEYS", "VBATCH_FLEET_SECRET"} <= credentials["stringData"].keys()
 
 
 def test_the_worker_announces_its_pod_ip_and_port_to_the_api_replicas():

@@ -104,15 +104,42 @@ def test_waits_are_spelled_as_openai_spells_them():
 def test_the_token_estimate_is_the_prompt_at_four_characters_a_token_and_the_most_generated():
     chat = {"messages": [{"role": "user", "content": "x" * 400}], "max_completion_tokens": 50, "n": 2}
     assert estimated_tokens("/v1/chat/completions", chat) == 101 + 100  # "user" and the content: 404 characters
-    assert estimated_tokens("/v1/completions", {"prompt": [[1, 2, 3], [4]]}) == 4 + DEFAULT_OUTPUT_TOKENS
+    # Completions: vLLM's default of 16 when unset, for each prompt of a list.
+    assert estimated_tokens("/v1/completions", {"prompt": [[1, 2, 3], [4]]}) == 4 + 2 * 16
     assert estimated_tokens("/v1/responses", {"input": "abcd", "max_output_tokens": 10}) == 11
     assert estimated_tokens("/v1/embeddings", {"input": ["abcd", "efgh"], "max_tokens": 99}) == 2
-    odd = {"messages": [[[[{"a": None}]]]] * 3, "max_tokens": True, "n": 10**30, "prompt": 1.5}
+    assert estimated_tokens("/v1/chat/completions", {"messages": "abcd"}) == 1 + DEFAULT_OUTPUT_TOKENS
+    odd = {"messages": [[[[{"a": None}]]]] * 3, "max_tokens": [1], "n": {"a": 1}, "prompt": 1.5}
     assert estimated_tokens("/v1/chat/completions", odd) == DEFAULT_OUTPUT_TOKENS
     deep: list = []
     for _ in range(100_000):
         deep = [deep]
     assert estimated_tokens("/v1/completions", {"prompt": deep, "max_tokens": 10**20}) == 10**9
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body", "charged"),
+    [
+        # Numbers as vLLM's request models take them (pydantic's lax mode): each was charged as unset.
+        ("/v1/chat/completions", {"max_tokens": "700"}, 700),
+        ("/v1/chat/completions", {"max_tokens": 700.0}, 700),
+        ("/v1/chat/completions", {"max_completion_tokens": " 700 "}, 700),
+        ("/v1/chat/completions", {"max_tokens": True}, 1),
+        ("/v1/chat/completions", {"max_tokens": 100, "n": "4"}, 400),
+        # The field each endpoint reads: chat's max_completion_tokens when set (null: its max_tokens).
+        ("/v1/chat/completions", {"max_completion_tokens": 10, "max_tokens": 700}, 10),
+        ("/v1/chat/completions", {"max_completion_tokens": None, "max_tokens": 700}, 700),
+        # Completions read max_tokens alone (max_completion_tokens is no field of theirs), for every prompt.
+        ("/v1/completions", {"max_completion_tokens": 0, "max_tokens": 700}, 700),
+        ("/v1/completions", {"prompt": ["pppp"] * 20, "max_tokens": 10}, 20 + 200),  # 80 characters: 20 tokens
+        ("/v1/completions", {"prompt": [[1, 2]] * 3, "max_tokens": 10, "n": 2}, 6 + 60),  # 6 token ids
+        # Responses read max_output_tokens alone.
+        ("/v1/responses", {"max_tokens": 0, "max_output_tokens": 700}, 700),
+        ("/v1/responses", {"max_output_tokens": "700"}, 700),
+    ],
+)
+def test_the_charge_reads_a_body_as_the_engine_will_run_it(endpoint, body, charged):
+    assert estimated_tokens(endpoint, body) == charged
 
 
 def test_usage_in_every_shape():

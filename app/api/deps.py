@@ -8,8 +8,10 @@ from fastapi import Depends, Request, Security
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.engine import Engine
 
+from app.api.guard import FORWARDED_TENANT
 from app.core.config import Settings
 from app.core.storage import Storage
+from app.domain.estimate_slots import EstimateSlots
 from app.engine.metrics import Metrics
 from app.engine.view import EngineView
 
@@ -34,11 +36,20 @@ def _metrics(request: Request) -> Metrics:
     return request.app.state.metrics
 
 
+def _estimate_slots(request: Request) -> EstimateSlots:
+    return request.app.state.estimate_slots
+
+
 # Declared for the OpenAPI document (and so clients see the scheme); KeyRing reads the header itself.
 _bearer = HTTPBearer(auto_error=False, description="An API key from VBATCH_API_KEYS or VBATCH_API_KEYS_FILE.")
 
 
 def _owner(request: Request, _: Annotated[HTTPAuthorizationCredentials | None, Security(_bearer)]) -> str:
+    """The key's owner id; for an online request an API replica forwarded, the tenant its signature names
+    (`app.api.guard`)."""
+    forwarded = request.scope.get("state", {}).get(FORWARDED_TENANT)
+    if forwarded is not None:
+        return forwarded
     return request.app.state.keys.owner(request.headers.get("authorization"))
 
 
@@ -47,5 +58,6 @@ DbDep = Annotated[Engine, Depends(_db)]
 StorageDep = Annotated[Storage, Depends(_storage)]
 EngineDep = Annotated[EngineView, Depends(_engine)]
 MetricsDep = Annotated[Metrics, Depends(_metrics)]
+EstimateSlotsDep = Annotated[EstimateSlots, Depends(_estimate_slots)]
 # The caller's owner id; resolving it authenticates the request (401 otherwise).
 OwnerDep = Annotated[str, Depends(_owner)]

@@ -25,9 +25,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.errors import APIError, from_domain, request_too_large
 from app.core.auth import KeyRing, is_loopback
 from app.core.errors import Unauthenticated
+from app.core.fleet import FLEET_HEADER, FleetKey
+from app.domain.online import ONLINE_ENDPOINTS
 
 HEALTH_PATHS = frozenset({"/health", "/health/ready", "/health/live"})
 OPENAPI_PATH = "/openapi.json"
+# Where a forwarded request's tenant is kept for `app.api.deps` (the request's state: nothing a client sends sets it).
+FORWARDED_TENANT = "vbatch_fleet_tenant"
 
 
 class SlowBody(Exception):
@@ -82,6 +86,7 @@ class RequestGuard:
         app: ASGIApp,
         *,
         keys: KeyRing,
+        fleet: FleetKey | None = None,
         hosts: HostRule | None,
         max_json_bytes: int,
         body_grace: float,
@@ -89,6 +94,7 @@ class RequestGuard:
     ) -> None:
         self.app = app
         self.keys = keys
+        self.fleet = fleet
         self.hosts = hosts
         self.max_json_bytes = max_json_bytes
         self.body_grace = body_grace
@@ -137,7 +143,8 @@ class RequestGuard:
 
     async def _check(self, scope: Scope, receive: Receive, send: Send) -> None:
         headers = {name.decode("latin-1"): value.decode("latin-1") for name, value in scope["headers"]}
-        refusal = self._refusal(scope, headers)
+        forwarded = self._forwarded(scope, headers)
+        refusal = self._refusal(scope, headers, keyless=forwarded is not None)
         if refusal is not None:
             await _refuse(refusal, scope, receive, send)
             return
@@ -146,11 +153,35 @@ class RequestGuard:
             if body is None:
                 await _refuse(self._too_large(), scope, receive, send)
                 return
+            if forwarded is not None and not self._take_tenant(scope, headers, forwarded, body):
+                await _refuse(_NOT_FROM_THE_FLEET, scope, receive, send)
+                return
             receive = _replay(body, receive)
+        elif forwarded is not None:  # the fleet forwards JSON only: nothing else is signed
+            await _refuse(_NOT_FROM_THE_FLEET, scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
-    def _refusal(self, scope: Scope, headers: dict[str, str]) -> APIError | None:
-        """Why the request is refused on its request line and headers alone, or None."""
+    def _forwarded(self, scope: Scope, headers: dict[str, str]) -> str | None:
+        """The fleet's signature of an online request an API replica forwarded here (None: a client's own request,
+        which its key authenticates). Only a worker, which has a fleet key, takes one."""
+        if self.fleet is None or scope["method"] != "POST" or scope["path"] not in ONLINE_ENDPOINTS:
+            return None
+        return headers.get(FLEET_HEADER)
+
+    def _take_tenant(self, scope: Scope, headers: dict[str, str], signature: str, body: bytes) -> bool:
+        """Whether the signature holds for this body, path and request id; the tenant it names then answers for the
+        request (`app.api.deps`)."""
+        assert self.fleet is not None
+        signed = self.fleet.check(signature, request_id=headers.get("x-request-id", ""), path=scope["path"], body=body)
+        if signed is None:
+            return False
+        scope.setdefault("state", {})[FORWARDED_TENANT] = signed.tenant
+        return True
+
+    def _refusal(self, scope: Scope, headers: dict[str, str], *, keyless: bool = False) -> APIError | None:
+        """Why the request is refused on its request line and headers alone, or None. `keyless`: a request the fleet
+        forwarded, which carries no key (its signature is checked with its body)."""
         path = scope["path"]
         if not _utf8_url(scope):
             return APIError(400, "The request URL is not UTF-8 once its %-escapes are decoded.", code="invalid_url")
@@ -158,7 +189,7 @@ class RequestGuard:
             return None
         if self.hosts is not None and not self.hosts.allows(headers.get("host")):
             return _host_refused(headers["host"])
-        if path.startswith("/v1/") or path == OPENAPI_PATH:
+        if (path.startswith("/v1/") or path == OPENAPI_PATH) and not keyless:
             try:
                 self.keys.owner(headers.get("authorization"))
             except Unauthenticated as exc:
@@ -197,6 +228,14 @@ def _utf8_url(scope: Scope) -> bool:
     except UnicodeDecodeError:
         return False
     return True
+
+
+_NOT_FROM_THE_FLEET = APIError(
+    401,
+    "This request names a tenant without a valid fleet signature (VBATCH_FLEET_SECRET differs, the clock is off, or "
+    "it was not sent by an API replica of this fleet).",
+    code="invalid_fleet_signature",
+)
 
 
 def _host_refused(host: str) -> APIError:

@@ -43,9 +43,11 @@ def retrieve_model(model: str, engine: EngineDep, _: OwnerDep) -> Model:
 
 
 def _card(name: str, engine: EngineView, adapter: Adapter | None) -> Model:
+    """A model's card; an adapter's names its base model, never where the server keeps it (`vllm serve` shows its
+    path as `root`: to every key, a detail of the server's disk)."""
     if adapter is None:
         return Model(id=name, created=engine.started_at, owned_by="vbatch")
-    return Model(id=name, created=engine.started_at, owned_by="vbatch", parent=adapter.parent, root=adapter.root)
+    return Model(id=name, created=engine.started_at, owned_by="vbatch", parent=adapter.parent)
 
 
 @router.get(

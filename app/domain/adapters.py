@@ -5,6 +5,9 @@ exist and the base model each applies to: a batch may mix a base model and its a
 from __future__ import annotations
 
 import json
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path, PurePath
@@ -28,6 +31,34 @@ def to_json(adapters: Iterable[Adapter]) -> str:
 
 def from_json(text: str) -> list[Adapter]:
     return [Adapter(**fields) for fields in json.loads(text)]
+
+
+class RecentMisses:
+    """Names lately found to be no model here, so that a client naming one again and again costs no look-up each
+    time (with an `s3://` VBATCH_LORA_DIR, a LIST of the store): each is looked at again after `seconds` (its folder
+    may have been added since). At most `most` are kept, the oldest forgotten first. Safe from any thread."""
+
+    def __init__(self, *, seconds: float = 30.0, most: int = 10_000, clock: Callable[[], float] = time.monotonic):
+        self._seconds = seconds
+        self._most = most
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._until: OrderedDict[str, float] = OrderedDict()
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            until = self._until.get(name)
+            if until is not None and until <= self._clock():
+                del self._until[name]
+                return False
+            return until is not None
+
+    def add(self, name: str) -> None:
+        with self._lock:
+            self._until.pop(name, None)
+            self._until[name] = self._clock() + self._seconds
+            while len(self._until) > self._most:
+                self._until.popitem(last=False)
 
 
 @dataclass(frozen=True)

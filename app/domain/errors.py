@@ -60,3 +60,16 @@ class ModelNotServed(DomainError):
             param="model",
             code="model_not_found",
         )
+
+
+class TooManyEstimates(DomainError):
+    """Estimates already running, for this key or in all: each tokenizes and hashes a whole file, and more at once
+    would slow every other request the service answers. One ends within seconds to a few minutes."""
+
+    retry_after_seconds = 5
+
+    def __init__(self, *, running: int, whose: str) -> None:
+        super().__init__(
+            f"{running} estimate(s) {whose} are running, the most allowed at once; try again when one has ended.",
+            code="too_many_estimates",
+        )

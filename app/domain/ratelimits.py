@@ -3,10 +3,12 @@
 Each limited key has a token bucket per limit, in this process (each process that answers online requests counts
 on its own): it holds up to the limit, refills at limit/60 a second, and a request takes what it costs out of it.
 A request costs 1 of the requests bucket, and of the tokens bucket an estimate made before the engine has seen
-it: its prompt at 4 characters a token (the text of its messages, prompt or input; a list of token ids counts one
-a token), plus the most it may generate (`max_tokens`, `max_completion_tokens`, `max_output_tokens`, times `n`;
-`DEFAULT_OUTPUT_TOKENS` when it sets none). Once an answer carries its real `usage`, the difference goes back to
-(or comes out of) the bucket. Batches are not limited by these: their lines wait in the batch's own queue.
+it, from its body read as vLLM reads it (`app.domain.lax`: `"700"` is 700): its prompt at 4 characters a token (the
+text of its messages, prompt or input; a token id counts one), plus the most it may generate by the field its
+endpoint reads (`max_completion_tokens` else `max_tokens` for chat, `max_tokens` for completions, `max_output_tokens`
+for responses; `DEFAULT_OUTPUT_TOKENS` when unset), times `n`, times each prompt of a completions list. Once the
+answer's real `usage` is known (every stream's too: its usage is always asked of the engine), the difference goes
+back to (or comes out of) the bucket. Batches are not limited by these: their lines wait in the batch's own queue.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from app.core.errors import DomainError
+from app.domain.lax import MOST, whole_number
 
 CHARACTERS_A_TOKEN = 4
 # What a request that sets no output limit is charged for its answer until its usage is known: most chat answers are
 # shorter, and a long one is charged its real length afterwards.
 DEFAULT_OUTPUT_TOKENS = 256
 # Past any real request's size: a body that asks for more is charged this much, not an overflowing number.
-MOST_TOKENS = 10**9
-_OUTPUT_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+MOST_TOKENS = MOST
+# vLLM's `CompletionRequest.max_tokens` when a body leaves it out (or null).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 _PROMPT_FIELDS = ("messages", "prompt", "input", "instructions")
 _NAMES = {"requests": "requests per min (RPM)", "tokens": "tokens per min (TPM)"}
 
@@ -138,13 +142,15 @@ class RateLimiter:
 
     def settle(self, admission: Admission, *, tokens_used: int) -> Quota:
         """The request's real cost is known (its answer's usage): the bucket gets back what was charged too much,
-        or gives what was charged too little (it may go below 0: the key waits the longer)."""
+        or gives what was charged too little (it may go below 0: the key waits the longer). The allowance of
+        requests stays as the request left it: an answer's headers count the request they answer, however much
+        the bucket refilled while it ran."""
         with self._lock:
             bucket = self._buckets_of(admission.owner).get("tokens")
             if bucket is not None and admission.tokens_charged:
                 bucket.level = min(bucket.capacity, bucket.level + admission.tokens_charged - tokens_used)
                 admission.tokens_charged = 0
-            return self._quota(admission.owner)
+            return replace(self._quota(admission.owner), requests=admission.quota.requests)
 
     def quota(self, owner: str) -> Quota:
         with self._lock:
@@ -207,12 +213,14 @@ def duration(seconds: float) -> str:
 
 
 def estimated_tokens(endpoint: str, body: dict) -> int:
-    """What a request is charged before its usage is known: its prompt at `CHARACTERS_A_TOKEN` characters a token
-    (a token id counts one), plus the most it may generate (`DEFAULT_OUTPUT_TOKENS` when unset) for each of its `n`
-    choices; an embedding generates nothing. Whatever the body holds, this is a number, never an error."""
+    """What a request is charged before its usage is known, read as vLLM's request models read its body (numbers in
+    strings, whole floats): its prompt at `CHARACTERS_A_TOKEN` characters a token (a token id counts one), plus the
+    most each of its prompts may generate for each of its `n` choices (`DEFAULT_OUTPUT_TOKENS` where the endpoint
+    has no fixed default); an embedding generates nothing. Whatever the body holds, this is a number, never an
+    error: a body the engine refuses is settled at nothing once refused."""
     characters, token_ids = _prompt_size([body.get(field) for field in _PROMPT_FIELDS])
     prompt = math.ceil(characters / CHARACTERS_A_TOKEN) + token_ids
-    output = 0 if endpoint == "/v1/embeddings" else _output_tokens(body) * _choices(body)
+    output = 0 if endpoint == "/v1/embeddings" else _output_tokens(endpoint, body) * _choices(body) * _prompts(body)
     return min(MOST_TOKENS, prompt + output)
 
 
@@ -234,17 +242,33 @@ def _prompt_size(values: list[object]) -> tuple[int, int]:
     return characters, token_ids
 
 
-def _output_tokens(body: dict) -> int:
-    for field in _OUTPUT_FIELDS:
-        value = body.get(field)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return min(value, MOST_TOKENS)
-    return DEFAULT_OUTPUT_TOKENS
+def _output_tokens(endpoint: str, body: dict) -> int:
+    """The most one choice may generate, by the field vLLM reads for `endpoint`: chat's `max_completion_tokens` when
+    set, else its `max_tokens`; completions' `max_tokens` (16 unset); responses' `max_output_tokens`."""
+    if endpoint == "/v1/completions":
+        limit = whole_number(body.get("max_tokens"))
+        return COMPLETIONS_DEFAULT_MAX_TOKENS if limit is None else limit
+    if endpoint == "/v1/responses":
+        limit = whole_number(body.get("max_output_tokens"))
+    else:
+        limit = whole_number(body.get("max_completion_tokens"))
+        if limit is None:
+            limit = whole_number(body.get("max_tokens"))
+    return DEFAULT_OUTPUT_TOKENS if limit is None else limit
 
 
 def _choices(body: dict) -> int:
-    n = body.get("n")
-    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 128 else 1
+    """`n` as vLLM reads it (one unset); an `n` it would refuse is charged as one, and refused."""
+    n = whole_number(body.get("n"))
+    return n if n is not None and n >= 1 else 1
+
+
+def _prompts(body: dict) -> int:
+    """The prompts a completions request answers each: a list of texts, or of lists of token ids."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(item, str | list) for item in prompt):
+        return len(prompt)
+    return 1
 
 
 def used_tokens(usage: object) -> int | None:

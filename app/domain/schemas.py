@@ -269,15 +269,15 @@ class CreateBatchRequest(BaseModel):
 
 
 class Model(BaseModel):
-    """OpenAI's Model object. A LoRA adapter's also has `parent` and `root`, as `vllm serve` lists adapters; a base
-    model's has neither (the routes leave out fields that are None)."""
+    """OpenAI's Model object. A LoRA adapter's also has `parent`, as `vllm serve` lists adapters, but not vLLM's
+    `root` (the adapter's path on the server's disk, which no key needs to see); a base model's has neither (the
+    routes leave out fields that are None)."""
 
     id: str
     object: Literal["model"] = "model"
     created: int
     owned_by: str
     parent: str | None = Field(default=None, description="A LoRA adapter's base model (vLLM's extension).")
-    root: str | None = Field(default=None, description="Where the engine loaded a LoRA adapter from (vLLM's).")
 
 
 class ModelList(BaseModel):

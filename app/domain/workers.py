@@ -31,6 +31,7 @@ class WorkerState:
     url: str | None = None  # its base URL, `http://host:port` (None: not to be forwarded to)
     online_in_flight: int = 0
     adapters: list[Adapter] = field(default_factory=list)  # each also in `served_models`
+    url_proof: str | None = None  # `url` proven with the fleet's secret (`app.core.fleet.FleetKey.worker_proof`)
 
 
 def beat(*, db: Engine, worker: WorkerState) -> None:
@@ -47,6 +48,7 @@ def beat(*, db: Engine, worker: WorkerState) -> None:
         row.engine_deaths = worker.engine_deaths
         row.url = worker.url
         row.online_in_flight = worker.online_in_flight
+        row.url_proof = worker.url_proof
         session.add(row)
         session.commit()
 
@@ -78,4 +80,5 @@ def _state(row: WorkerRow) -> WorkerState:
         url=row.url,
         online_in_flight=row.online_in_flight,
         adapters=adapters.from_json(row.adapters_json),
+        url_proof=row.url_proof,
     )

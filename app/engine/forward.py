@@ -1,6 +1,11 @@
 """Online requests through `vbatch api`, which has no engine: each goes to a worker that serves its model, the one
 with the fewest online requests in flight, and comes back as the worker answered it, a stream byte for byte.
 
+Only workers the fleet vouches for are sent anything (`app.core.fleet`): a worker whose beat proves its URL with the
+fleet's secret, at an address `VBATCH_FLEET_NETWORKS` allows. What is sent is the body as the caller sent it, byte
+for byte, and the caller's tenant, signed; never the caller's key. A worker served over https is checked against
+`VBATCH_FLEET_CA_FILE` (or the system's CAs).
+
 A worker's load is what it said at its last beat (`app.domain.workers`, a second old at most) plus what this replica
 has sent it and not yet had back, so a burst between two beats spreads over the workers instead of piling onto the
 one that looked idle. A worker that cannot be connected to is passed over (once per request, and for a few seconds
@@ -14,14 +19,18 @@ from __future__ import annotations
 
 import json
 import logging
+import ssl
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from pathlib import Path
 
 import httpx
 
 from app.core import calls
-from app.domain.online import EngineUnavailable, OnlineAnswer, error_event
+from app.core.fleet import FLEET_HEADER, FleetKey, Networks
+from app.core.ids import new_id
+from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest, error_event
 from app.domain.workers import WorkerState
 
 log = logging.getLogger("vbatch.forward")
@@ -42,8 +51,14 @@ UNREACHABLE = "unreachable"
 class Forwarder:
     """One HTTP/1.1 client, its connections kept alive, for the app's life."""
 
-    def __init__(self, *, silence_seconds: float) -> None:
+    def __init__(
+        self, *, silence_seconds: float, fleet: FleetKey, networks: Networks, ca_file: Path | None = None
+    ) -> None:
+        self._fleet = fleet
+        self._networks = networks
+        self._untrusted: set[str] = set()  # holders already logged as not vouched for
         self._client = httpx.AsyncClient(
+            verify=ssl.create_default_context(cafile=ca_file) if ca_file is not None else True,
             # Read and write: between two bytes, so a long stream goes on as long as its events keep coming.
             timeout=httpx.Timeout(silence_seconds, connect=CONNECT_SECONDS, pool=None),
             limits=httpx.Limits(
@@ -65,7 +80,9 @@ class Forwarder:
         able = [
             worker
             for worker in seen
-            if worker.state == "ok" and worker.url and (not isinstance(model, str) or model in worker.served_models)
+            if worker.state == "ok"
+            and (not isinstance(model, str) or model in worker.served_models)
+            and self._vouched_for(worker)
         ]
         return sorted(
             able,
@@ -75,20 +92,39 @@ class Forwarder:
             ),
         )
 
-    async def forward(self, workers: list[WorkerState], endpoint: str, body: dict) -> OnlineAnswer:
+    def _vouched_for(self, worker: WorkerState) -> bool:
+        """Whether `worker` may be sent a caller's request: its URL proven with the fleet's secret, at an allowed
+        address. A row that fails is logged once: a worker with another secret, or one written by someone else."""
+        url = worker.url
+        if url and self._fleet.proves(worker.holder, url, worker.url_proof) and self._networks.allows(url):
+            return True
+        if url and worker.holder not in self._untrusted:
+            self._untrusted.add(worker.holder)
+            log.warning(
+                "worker %s (%s) is not forwarded to: its URL is not proven with this fleet's secret "
+                "(VBATCH_FLEET_SECRET) or is outside VBATCH_FLEET_NETWORKS",
+                worker.holder,
+                url,
+            )
+        return False
+
+    async def forward(self, workers: list[WorkerState], request: OnlineRequest) -> OnlineAnswer:
         """The first of `workers` that can be connected to answers (at most `TRIES` are tried)."""
         for worker in workers[:TRIES]:
             try:
-                return await self._forward(worker, endpoint, body)
+                return await self._forward(worker, request)
             except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
                 log.warning("worker %s (%s) cannot be connected to: %s", worker.holder, worker.url, type(exc).__name__)
                 self._passed_over[worker.holder] = time.monotonic() + PASSED_OVER_SECONDS
         raise EngineUnavailable(UNREACHABLE)
 
-    async def _forward(self, worker: WorkerState, endpoint: str, body: dict) -> OnlineAnswer:
+    async def _forward(self, worker: WorkerState, online: OnlineRequest) -> OnlineAnswer:
         call = calls.current()
+        request_id = call.request_id if call is not None else new_id("req_")
+        signed = self._fleet.sign(tenant=online.tenant, request_id=request_id, path=online.endpoint, body=online.raw)
+        headers = {"content-type": "application/json", "x-request-id": request_id, FLEET_HEADER: signed}
         request = self._client.build_request(
-            "POST", f"{worker.url}{endpoint}", json=body, headers=call.headers() if call else None
+            "POST", f"{worker.url}{online.endpoint}", content=online.raw, headers=headers
         )
         self.in_flight[worker.holder] += 1
         relay: Finishing | None = None

@@ -13,16 +13,19 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock
 from app.core.config import Settings
+from app.core.fleet import FleetSecretMissing, Networks
 from app.core.storage import Storage
 from app.domain import batches, workers
 from app.domain.adapters import Adapter
 from app.domain.errors import NotFound
 from app.domain.estimates import PromptCount
-from app.domain.online import EngineUnavailable, OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.forward import UNREACHABLE, Forwarder
 from app.engine.metrics import Metrics
+from app.engine.pacing import PaceNumbers
+from app.engine.steps import StepSummary
 from app.engine.window import WindowSize
 
 State = Literal["starting", "ok", "restarting", "down"]
@@ -55,11 +58,16 @@ class EngineView(Protocol):
         """The batch's in-flight window now and at most (`app.engine.window`); None without an engine here."""
         ...
 
+    def engine_steps(self) -> tuple[StepSummary | None, PaceNumbers | None]:
+        """The engine's recent steps (`app.engine.steps`) and the batch's pacing (`app.engine.pacing`); (None, None)
+        without an engine here."""
+        ...
+
     def metrics_text(self) -> bytes: ...
     def live_stats(self, batch_id: str) -> RunStats | None: ...
     def live_rates(self) -> dict[str, tuple[float, float]]: ...
     def wake(self) -> None: ...
-    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+    async def respond(self, request: OnlineRequest) -> OnlineAnswer:
         """An online request's answer (`app.domain.online`), on the caller's event loop; raises EngineUnavailable
         when no engine can answer it now."""
         ...
@@ -105,7 +113,15 @@ class WorkersView:
         hold_at_most: int | None = None,
     ) -> None:
         self._db = db
-        self._forwarder = Forwarder(silence_seconds=settings.forward_silence_seconds)
+        fleet = settings.fleet_key()
+        if fleet is None:
+            raise FleetSecretMissing("an API replica forwards online requests only with VBATCH_FLEET_SECRET set")
+        self._forwarder = Forwarder(
+            silence_seconds=settings.forward_silence_seconds,
+            fleet=fleet,
+            networks=Networks(settings.fleet_networks),
+            ca_file=settings.fleet_ca_file,
+        )
         self._finds_adapters = settings.lora_dir is not None
 
     async def stop(self) -> None:
@@ -161,6 +177,9 @@ class WorkersView:
     def batch_window(self) -> WindowSize | None:
         return None  # each worker's is on its own /metrics (vbatch_batch_window)
 
+    def engine_steps(self) -> tuple[StepSummary | None, PaceNumbers | None]:
+        return None, None  # each worker's are on its own /metrics (vbatch_engine_step_*) and console
+
     def metrics_text(self) -> bytes:
         return b""  # each worker's engine series are on its own /metrics
 
@@ -180,20 +199,20 @@ class WorkersView:
     def live_rates(self) -> dict[str, tuple[float, float]]:
         return {}
 
-    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+    async def respond(self, request: OnlineRequest) -> OnlineAnswer:
         """Forwarded to the least busy worker that serves the body's model (`app.engine.forward`)."""
         if self._forwarder is None:
             raise EngineUnavailable("starting")
         # The database is read on a thread (at most once a second): never on the loop, which serves every request.
         seen = await asyncio.to_thread(self.workers) if self._stale() else self._seen
-        able = self._forwarder.candidates(seen, body.get("model"))
+        able = self._forwarder.candidates(seen, request.body.get("model"))
         if not able and self._finds_adapters:
             # An adapter of VBATCH_LORA_DIR no worker has loaded yet (the API found its folder): any worker loads it.
             able = self._forwarder.candidates(seen, None)
         if not able:
             state = _state_of(seen, self._ever_seen)
             raise EngineUnavailable(UNREACHABLE if state == "ok" else state)
-        return await self._forwarder.forward(able, endpoint, body)
+        return await self._forwarder.forward(able, request)
 
     async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None] | None:
         """Unknown: an API replica has no tokenizer, and a worker's front ends are its batches' (an estimate here

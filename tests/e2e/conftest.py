@@ -22,6 +22,8 @@ TEST_WINDOW = "20s"
 GPU_HOUR_PRICE = 2.0
 # The shared server runs with keys, as it would on a network; two, to show tenants apart.
 KEYS = (f"sk-e2e-a-{secrets.token_hex(8)}", f"sk-e2e-b-{secrets.token_hex(8)}")
+# A third key, in the keys file, with a limit on its online tokens a minute.
+LIMITED_KEY, LIMITED_TPM = f"sk-e2e-limited-{secrets.token_hex(8)}", 2000
 
 
 def pytest_collection_modifyitems(items):
@@ -44,11 +46,13 @@ def engine_flags(model_path: Path) -> list[str]:
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
     base = tmp_path_factory.mktemp("vbatch-e2e")
+    (base / "keys").write_text(f"{LIMITED_KEY} live_tpm={LIMITED_TPM}\n")
     env = {
         "VBATCH_COMPLETION_WINDOWS": f"24h,{TEST_WINDOW}",
         "VBATCH_MAX_IN_FLIGHT": "8",
         "VBATCH_PROGRESS_LOG_SECONDS": "2",
         "VBATCH_API_KEYS": ",".join(KEYS),
+        "VBATCH_API_KEYS_FILE": str(base / "keys"),
         # Inert until a test creates the hold file (tests.e2e.helpers.holding).
         "VBATCH_FAILPOINT": "hold_after:4",
         # A price, so that every batch's progress has its cost (tests/e2e/test_cost.py); it changes nothing else.

@@ -98,12 +98,12 @@ def test_a_batch_over_more_adapters_than_max_loras_answers_each_line_with_the_ad
 
 
 def test_models_lists_the_adapters_with_the_base_model_as_parent(client, lora_server):
-    _, paths = lora_server
+    del lora_server  # it started the server; where its adapters lie is never shown
     listed = {model.id: model for model in client.models.list().data}
     assert set(listed) - {FOUND, FOUND_ONLINE} == {MODEL, *ADAPTERS}
     for name in ADAPTERS:
         card = listed[name].model_dump()
-        assert (card["parent"], card["root"]) == (MODEL, str(paths[name]))
+        assert card["parent"] == MODEL and "root" not in card
     assert "parent" not in listed[MODEL].model_dump()
     assert client.models.retrieve("a").model_dump()["parent"] == MODEL
 
@@ -115,7 +115,7 @@ def test_an_online_request_naming_an_adapter_is_answered_by_it(client):
 
 
 def test_an_adapter_only_in_the_lora_dir_answers_a_batch_and_is_listed_after(client, lora_server):
-    _, paths = lora_server
+    del lora_server  # it started the server; where its adapters lie is never shown
     models = [FOUND, MODEL, FOUND]
     lines = [chat_line(f"f{i}", f"Name a fruit ({i}).") for i in range(len(models))]
     for line, model in zip(lines, models, strict=True):
@@ -127,7 +127,7 @@ def test_an_adapter_only_in_the_lora_dir_answers_a_batch_and_is_listed_after(cli
         f"f{i}": (200, model) for i, model in enumerate(models)
     }
     card = client.models.retrieve(FOUND).model_dump()
-    assert (card["parent"], card["root"]) == (MODEL, str(paths[FOUND]))
+    assert card["parent"] == MODEL and "root" not in card
     assert FOUND in {model.id for model in client.models.list().data}
 
 
@@ -141,11 +141,11 @@ def test_an_adapter_of_the_lora_dir_above_the_max_lora_rank_fails_validation_on_
 
 
 def test_an_adapter_only_in_the_lora_dir_answers_an_online_request_and_is_listed_after(client, lora_server):
-    _, paths = lora_server
+    del lora_server  # it started the server; where its adapters lie is never shown
     assert FOUND_ONLINE not in {model.id for model in client.models.list().data}
     answer = client.chat.completions.create(
         model=FOUND_ONLINE, messages=[{"role": "user", "content": "Say hi."}], max_tokens=8
     )
     assert answer.model == FOUND_ONLINE
     card = client.models.retrieve(FOUND_ONLINE).model_dump()
-    assert (card["parent"], card["root"]) == (MODEL, str(paths[FOUND_ONLINE]))
+    assert card["parent"] == MODEL and "root" not in card
