@@ -26,7 +26,7 @@ import httpx
 from app.domain.adapters import Adapter
 from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
 from app.engine import frontends
-from app.engine.serving import EngineDead, Stream
+from app.engine.serving import EngineDead, EngineStep, StepListener, Stream
 
 FAKE_MODEL = "fake-model"
 
@@ -56,6 +56,9 @@ class FakeExecutor:
         # The bodies of requests cancelled, or streams closed, before their end: what vLLM would have aborted.
         self.aborted: list[dict] = []
         self.streamed_chunks = 0  # chunks the streams have yielded so far
+        # Each answer is reported as an engine step of its prompt and output (`FakeServing.step`), as vLLM's iteration
+        # details report the steps of the real engine.
+        self.report_steps = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     def open_gate(self, gate: asyncio.Event | None = None) -> None:
@@ -275,6 +278,7 @@ class FakeServing:
         if max_loras is not None:  # as vLLM's engine config has it only with LoRA on
             self.engine_config["max_loras"] = max_loras
         self.alive = True  # a test sets it False to stand for an engine that died while idle
+        self._step_listener: StepListener | None = None
 
     async def is_alive(self) -> bool:
         return self.alive
@@ -291,7 +295,11 @@ class FakeServing:
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
         if endpoint not in self.endpoints:
             return self._cannot_answer(endpoint)
-        return await self.executor.execute(endpoint, body, rank)
+        answer = await self.executor.execute(endpoint, body, rank)
+        if self.executor.report_steps:
+            output = (answer[1].get("usage") or {}).get("completion_tokens") or 0
+            self.step(EngineStep(0.001, fake_token_count(body, endpoint) or 0, output))
+        return answer
 
     def _cannot_answer(self, endpoint: str) -> tuple[int, dict]:
         """As the real serving layer answers an endpoint its model has no handler for (`vllm_adapter.ServingLayer`)."""
@@ -300,6 +308,14 @@ class FakeServing:
 
     def preemptions(self) -> int | None:
         return self.executor.preemptions
+
+    def on_step(self, listener: StepListener) -> None:
+        self._step_listener = listener
+
+    def step(self, step: EngineStep) -> None:
+        """The fake engine reports a step (a test stands for vLLM's iteration details)."""
+        if self._step_listener is not None:
+            self._step_listener(step)
 
     async def count_tokens(self, endpoint: str, bodies: list[dict]) -> list[PromptCount | None]:
         """As the real one counts: a scoring line's words, and no cache for them; the others' cached blocks of words."""
@@ -368,15 +384,19 @@ class FakeEngine:
 
 
 @asynccontextmanager
-async def fake_frontends(count: int, adapters: Sequence[str] = ()) -> AsyncIterator[frontends.FrontendPool]:
+async def fake_frontends(
+    count: int, adapters: Sequence[str] = (), report_steps: bool = False
+) -> AsyncIterator[frontends.FrontendPool]:
     """An engine factory (`app.engine.serving.EngineFactory`, with `functools.partial`): the fake engine's serving
     (with these LoRA adapters) in `count` front-end processes behind a `FrontendPool`, as `vbatch serve
-    --api-server-count` runs vLLM's, and a process that stands for the engine core (kill it to kill the engine)."""
+    --api-server-count` runs vLLM's, and a process that stands for the engine core (kill it to kill the engine).
+    `report_steps`: each front end reports an engine step per answer (`FakeExecutor.report_steps`)."""
     spawn = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="vbatch-fake-fe-") as folder:
         address = f"ipc://{folder}/pool"
         processes = [
-            spawn.Process(target=_fake_frontend, args=(address, i, list(adapters)), daemon=True) for i in range(count)
+            spawn.Process(target=_fake_frontend, args=(address, i, list(adapters), report_steps), daemon=True)
+            for i in range(count)
         ]
         core = spawn.Process(target=_fake_engine_core, name="EngineCore", daemon=True)
         pool = frontends.FrontendPool(
@@ -404,8 +424,10 @@ def _fake_engine_core() -> None:
     signal.pause()
 
 
-def _fake_frontend(address: str, index: int, adapters: list[str]) -> None:
-    asyncio.run(frontends.serve(FakeServing(FakeExecutor(), adapters=adapters), address, index))
+def _fake_frontend(address: str, index: int, adapters: list[str], report_steps: bool = False) -> None:
+    executor = FakeExecutor()
+    executor.report_steps = report_steps
+    asyncio.run(frontends.serve(FakeServing(executor, adapters=adapters), address, index))
 
 
 class VbatchServer:

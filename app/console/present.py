@@ -176,6 +176,18 @@ def usd(value: float | None) -> str:
     return f"${value:,.2f}" if value >= 0.01 or value == 0 else f"${value:.4f}"
 
 
+def step_time(seconds: float | None) -> str:
+    """An engine step's time: milliseconds, or seconds from one up."""
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1000:,.1f} ms" if seconds < 1 else f"{seconds:,.2f} s"
+
+
+def tokens(value: float | None) -> str:
+    """Tokens a step, on average: whole from ten up, a tenth below (a few live prompt tokens a step show)."""
+    return "-" if value is None else f"{value:,.0f}" if value >= 10 or value == 0 else f"{value:.1f}"
+
+
 FILTERS = {
     "when": when,
     "day_minute": day_minute,
@@ -184,4 +196,6 @@ FILTERS = {
     "rate": rate,
     "gpu_seconds": gpu_seconds,
     "usd": usd,
+    "step_time": step_time,
+    "tokens": tokens,
 }

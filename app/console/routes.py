@@ -386,6 +386,7 @@ def engine_page(
 ) -> Response:
     gpus = gpu_usage()
     health = health_status(engine, settings, storage, db)
+    steps, pace = engine.engine_steps()
     return _page(
         request,
         "engine.html",
@@ -395,6 +396,9 @@ def engine_page(
         gpus=gpus,
         config=sorted(engine.engine_config.items()),
         rates=present.throughput(engine.live_rates(), metrics.online.rates.rates()),
+        steps=steps,
+        pace=pace,
+        window=engine.batch_window,
     )
 
 

@@ -86,6 +86,9 @@ class Settings(BaseSettings):
     # far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way only
     # when batch lines really are in the way. 0: the window stays at max_in_flight.
     live_ttft_target_ms: float = 500.0
+    # While online requests are about, the batch prompt tokens that may enter each engine step (`app.engine.pacing`);
+    # 0: derived from the target above and the engine's measured step times.
+    live_prefill_tokens: int = 0
     # How often a running batch logs its progress (done/total, requests/s, output tokens/s, ETA).
     progress_log_seconds: float = 5.0
     # USD per GPU-hour of the engine's devices: with it, an estimate has its cost (`app.domain.estimates`), each

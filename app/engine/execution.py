@@ -4,7 +4,9 @@ A fixed set of worker coroutines pulls lines from one iterator, so memory follow
 size of the file. Each line holds a `Place` while it runs; the batch window (`app.engine.window`) may withdraw a
 line from its place to seat an online request: its request is aborted in the engine, and the line runs again once
 it has a place again, so it still gets exactly one outcome. A `Gate` may hold the next line back until lines in
-flight make room for it (LoRA adapters, `app.engine.ordering`); lines wait there without a place.
+flight make room for it (LoRA adapters, `app.engine.ordering`); lines wait there without a place. A `Pacer` holds a
+line with its place until its prompt tokens fit the engine's next step (`app.engine.pacing`); one withdrawn while
+it waits there has cost nothing.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from app.domain.results import Body, Outcome, http_outcome
 
@@ -84,6 +86,22 @@ class Gate(Protocol):
         ...
 
 
+class Pacer(Protocol):
+    """Lets lines into the engine at a pace of prompt tokens (`app.engine.pacing.PrefillPacer`)."""
+
+    def estimate(self, body: dict) -> int:
+        """The body's prompt tokens, as the pace counts them."""
+        ...
+
+    async def admit(self, tokens: int, *, ramp: bool = False) -> None:
+        """Returns once a line of `tokens` may enter the engine; `ramp`: one of a new batch's first wave."""
+        ...
+
+    def answered(self, estimated: int, usage: dict | None) -> None:
+        """The line has its answer, with the engine's usage."""
+        ...
+
+
 class _Held:
     """What the next line is when the gate holds it back."""
 
@@ -103,6 +121,7 @@ class FixedSlots:
             yield Place()
 
 
+T = TypeVar("T")
 # (position, request, data-parallel rank or None)
 Line = tuple[int, dict, int | None]
 OnOutcome = Callable[[int, Outcome], None]
@@ -120,19 +139,25 @@ async def run_lines(
     in_flight: set[int] | None = None,
     engine_body: Callable[[dict], dict] | None = None,
     gate: Gate | None = None,
+    pacer: Pacer | None = None,
+    ramp: int = 0,
 ) -> None:
     """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
     `engine_body`: what the engine is given for a line's body (None: the body as it is). `gate`: lines wait there
     in order, before taking a place: one that waits with a place would keep it from a withdrawn line it waits for.
+    `pacer`: each line waits there with its place before it is sent, the first `ramp` lines as a new batch's first
+    wave.
 
     An exception from the executor (the engine died) cancels the other workers and propagates; `in_flight` then
     holds the numbers of the lines that had been sent and have no outcome.
     """
     sent: set[int] = set() if in_flight is None else in_flight
     source = _Source(lines, gate, on_all_submitted)
+    sender = _Sender(executor, endpoint, engine_body, pacer)
 
     async def worker() -> None:
         line: Line | None = None
+        first_wave = False
         while True:
             if gate is not None and line is None:
                 await gate.opened()
@@ -143,17 +168,15 @@ async def run_lines(
                         return
                     if isinstance(pulled, _Held):
                         continue  # its place given back: the gate is waited on without one
-                    line = pulled
+                    line, first_wave = pulled, source.pulled <= ramp
                     sent.add(line[0])
-                number, request, rank = line
-                body = request["body"] if engine_body is None else engine_body(request["body"])
-                answer = await _run_in(place, executor.execute(endpoint, body, rank))
-                if answer is None:
+                outcome = await sender.send(place, line, first_wave)
+                if outcome is None:
                     continue  # withdrawn: the same line again, at its next place
-                sent.discard(number)
-                on_outcome(number, http_outcome(request["custom_id"], *answer))
+                sent.discard(line[0])
+                on_outcome(line[0], outcome)
                 if gate is not None:
-                    gate.leave(number)
+                    gate.leave(line[0])
                 line = None
 
     tasks = [asyncio.create_task(worker()) for _ in range(max(1, workers))]
@@ -177,6 +200,7 @@ class _Source:
         self._exhausted = False
         self._held: Line | None = None
         self._pulling = asyncio.Lock()
+        self.pulled = 0  # lines handed to the workers so far
 
     async def next(self) -> Line | _Held | None:
         async with self._pulling:
@@ -190,10 +214,45 @@ class _Source:
             elif self._gate is not None and not self._gate.admit(line[0]):
                 self._held = line
                 return HELD
+            else:
+                self.pulled += 1
             return line
 
 
-async def _run_in(place: Place, request: Coroutine[Any, Any, tuple[int, Body]]) -> tuple[int, Body] | None:
+class _Sender:
+    """A line's request to the engine, from its place: paced, sent, answered."""
+
+    def __init__(
+        self, executor: Executor, endpoint: str, engine_body: Callable[[dict], dict] | None, pacer: Pacer | None
+    ) -> None:
+        self._executor = executor
+        self._endpoint = endpoint
+        self._engine_body = engine_body
+        self._pacer = pacer
+
+    async def send(self, place: Place, line: Line, first_wave: bool) -> Outcome | None:
+        """The line's outcome; None when its place withdrew it (while it waited for the pace, or in the engine)."""
+        _, request, rank = line
+        body = request["body"] if self._engine_body is None else self._engine_body(request["body"])
+        pacer = self._pacer
+        estimated = 0 if pacer is None else pacer.estimate(body)
+        if pacer is not None and await _run_in(place, _paced(pacer, estimated, first_wave)) is None:
+            return None
+        answer = await _run_in(place, self._executor.execute(self._endpoint, body, rank))
+        if answer is None:
+            return None
+        outcome = http_outcome(request["custom_id"], *answer)
+        if pacer is not None:
+            pacer.answered(estimated, outcome.usage)
+        return outcome
+
+
+async def _paced(pacer: Pacer, tokens: int, first_wave: bool) -> bool:
+    await pacer.admit(tokens, ramp=first_wave)
+    return True
+
+
+async def _run_in(place: Place, request: Coroutine[Any, Any, T]) -> T | None:
     """The request's answer; None when the place withdrew it."""
     place.request = asyncio.ensure_future(request)
     try:

@@ -43,7 +43,7 @@ from app.domain.adapters import Adapter
 from app.domain.estimates import PromptCount
 from app.domain.online import error_event
 from app.domain.results import Body, EncodedBody, encode_body
-from app.engine.serving import EngineDead, Serving, Stream
+from app.engine.serving import EngineDead, Serving, StepListener, Stream
 
 log = logging.getLogger("vbatch.engine")
 
@@ -137,6 +137,7 @@ class FrontendPool:
         self._ready = asyncio.Event()
         self._wake = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        self._step_listener: StepListener | None = None
 
     async def open(self, timeout: float = READY_TIMEOUT_SECONDS) -> None:
         """Returns once every front end has its engine client and serving layer; raises if one dies first."""
@@ -247,6 +248,10 @@ class FrontendPool:
     def preemptions(self) -> int | None:
         return self._preemptions()
 
+    def on_step(self, listener: StepListener) -> None:
+        """Each engine step reaches one front end (the one vLLM sends its details to), which passes it on."""
+        self._step_listener = listener
+
     def _least_busy(self) -> _Frontend:
         if self._engine_lost:
             raise EngineDead("the engine core exited")
@@ -295,7 +300,10 @@ class FrontendPool:
     def _take_online(self, frontend: _Frontend, items: list[tuple]) -> None:
         """A front end's news of online requests: a stream's chunks, or a first answer, a stream's end, a death."""
         for request_id, kind, payload in items:
-            if kind == "chunk":
+            if kind == "step":
+                if self._step_listener is not None:
+                    self._step_listener(payload)
+            elif kind == "chunk":
                 stream = frontend.streams.get(request_id)
                 if stream is not None:  # else closed by its reader meanwhile
                     stream.put(payload)
@@ -459,6 +467,7 @@ class _FrontendLoop:
         self.wake = asyncio.Event()
         self.running: dict[int, asyncio.Task] = {}
         self.rooms: dict[int, asyncio.Semaphore] = {}  # the chunks each stream may still send ahead of its reader
+        serving.on_step(lambda step: self.tell((None, "step", step)))  # with the online news: sent at once
 
     async def receive_until(self, watch: asyncio.Task) -> None:
         """Take what the pool sends until `watch` ends (vbatch is gone)."""

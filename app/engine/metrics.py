@@ -32,6 +32,9 @@ LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.
 class Metrics:
     # The batch window's series, once an engine serves here (`watch_window`).
     _window: _BatchWindow | None = None
+    # The engine's steps (`app.engine.steps`) and the batch's pacing, once an engine serves here (`watch_steps`).
+    _steps: Collector | None = None
+    _pacing: _Pacing | None = None
     # The engine's time by key and model (`EngineTime`), once an engine serves here: online requests
     # tell it their tokens.
     engine_time: EngineTime | None = None
@@ -104,6 +107,19 @@ class Metrics:
         self._window.numbers = numbers
         self._window.preemptions = preemptions
         self._window.withdrawn = withdrawn
+
+    def watch_steps(self, steps: Collector, pacing: Callable[[], tuple[bool, int, int, int]]) -> None:
+        """The engine's step series (`app.engine.steps.EngineSteps`) and the pacing's (active, budget, tokens let in,
+        waits: `app.engine.pacing.PaceNumbers`), read at every scrape; called again, the new ones replace the old."""
+        if self._steps is not steps:
+            if self._steps is not None:
+                self.registry.unregister(self._steps)
+            self._steps = steps
+            self.registry.register(steps)
+        if self._pacing is None:
+            self._pacing = _Pacing()
+            self.registry.register(self._pacing)
+        self._pacing.numbers = pacing
 
     def count_engine_time(self, engine_time: EngineTime) -> None:
         """The `vbatch_*_gpu_seconds` and `vbatch_*_cost_usd` series, from the engine service's `engine_time`."""
@@ -266,6 +282,39 @@ class _BatchWindow(Collector):
                 "run at a better one than batch lines, so in practice these are batch lines preempted for online ones.",
                 value=preemptions,
             )
+
+
+class _Pacing(Collector):
+    """The batch's pacing while live requests are about (`app.engine.pacing`)."""
+
+    def __init__(self) -> None:
+        self.numbers: Callable[[], tuple[bool, int, int, int]] = lambda: (False, 0, 0, 0)
+
+    def describe(self) -> list:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        active, budget, handed, waited = self.numbers()
+        yield GaugeMetricFamily(
+            "vbatch_batch_paced",
+            "1 while live requests are about and batch lines enter the engine paced.",
+            value=int(active),
+        )
+        yield GaugeMetricFamily(
+            "vbatch_batch_prefill_budget_tokens",
+            "Batch prompt tokens that may enter each engine step while paced (VBATCH_LIVE_PREFILL_TOKENS, or derived "
+            "from VBATCH_LIVE_TTFT_TARGET_MS and the engine's step times).",
+            value=budget,
+        )
+        yield CounterMetricFamily(
+            "vbatch_batch_paced_prompt_tokens",
+            "Batch prompt tokens let into the engine while paced (estimated from characters), since the engine "
+            "started.",
+            value=handed,
+        )
+        yield CounterMetricFamily(
+            "vbatch_batch_pace_waits", "Times a batch line waited for the next engine step to enter.", value=waited
+        )
 
 
 # Online requests (issue 29): measured by the API's online routes as each answer passes through them.

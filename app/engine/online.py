@@ -231,7 +231,7 @@ class OnlineRequests:
         """On the engine loop: the request, and what it answers put in `handoff`."""
         window = self._window()
         if window is not None:
-            window.online_arrived()
+            window.online_arrived(body)
         self._live.engine_time.started()
         try:
             answer = await self._live.respond(endpoint, body)

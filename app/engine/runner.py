@@ -264,6 +264,8 @@ class BatchRun:
                 in_flight=in_flight,
                 engine_body=self._engine_body,
                 gate=gate,
+                pacer=ctx.window.pacer,
+                ramp=ctx.wave,
             )
         finally:
             release()

@@ -38,6 +38,7 @@ from app.engine.holder import LeaseHolder
 from app.engine.live import LiveEngine
 from app.engine.metrics import Metrics
 from app.engine.online import OnlineRequests
+from app.engine.pacing import PaceNumbers, PrefillPacer
 from app.engine.runs import Runs
 from app.engine.scheduler import Scheduler
 from app.engine.serving import (
@@ -49,9 +50,12 @@ from app.engine.serving import (
     max_loras,
     schedules_by_priority,
 )
+from app.engine.steps import EngineSteps, StepSummary
 from app.engine.window import BatchWindow, WindowSize
 
 log = logging.getLogger("vbatch.engine")
+# The engine's step budget when its config does not say (vLLM's `--max-num-batched-tokens`).
+DEFAULT_STEP_TOKENS = 8192
 
 
 class EngineService:
@@ -76,6 +80,7 @@ class EngineService:
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
         self.metrics = Metrics()
+        self.steps = EngineSteps()  # every step of every engine this service starts
         self._stack = AsyncExitStack()
         self._bridge = EngineThread()
         self._ctx: Context | None = None
@@ -178,6 +183,12 @@ class EngineService:
         engine first serves."""
         ctx = self._ctx
         return ctx.window.numbers if ctx is not None else None
+
+    def engine_steps(self) -> tuple[StepSummary | None, PaceNumbers | None]:
+        """The engine's recent steps (None: none in the last seconds) and the batch's pacing (None before the engine
+        first serves), from any thread: what the console's engine page shows."""
+        pacer = self._ctx.window.pacer if self._ctx is not None else None
+        return self.steps.summary(), pacer.numbers() if pacer is not None else None
 
     def wake(self) -> None:
         """Look for work now (a batch was created or cancelled); from any thread."""
@@ -283,8 +294,17 @@ class EngineService:
         wave = engine_wave(serving)
         self.live.engine_time.devices = engine_devices(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
-        window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=settings.live_ttft_target_ms / 1000)
+        target = settings.live_ttft_target_ms / 1000
+        step_tokens = serving.engine_config.get("max_num_batched_tokens")
+        pacer = PrefillPacer(
+            steps=self.steps,
+            ttft_target_seconds=target,
+            max_step_tokens=step_tokens if isinstance(step_tokens, int) else DEFAULT_STEP_TOKENS,
+            budget_tokens=settings.live_prefill_tokens,
+        )
+        window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=target, pacer=pacer)
         self.metrics.watch_window(lambda: window.numbers, self.live.preemptions, lambda: window.withdrawn)
+        self.metrics.watch_steps(self.steps, pacer.numbers)
         ctx = Context(
             db=db,
             storage=storage,
@@ -313,6 +333,7 @@ class EngineService:
         assert self.factory is not None, "an engine service needs an engine factory to start an engine"
         self._stack = AsyncExitStack()
         serving = await self._stack.enter_async_context(self.factory())
+        serving.on_step(self.steps.record)
         self._list_models(serving.served_models, serving.adapters)
         self.engine_config = dict(serving.engine_config)
         self.model_name = self.served_models[0]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from app.domain.adapters import Adapter
 from app.domain.estimates import PromptCount
@@ -24,6 +24,20 @@ Stream = AsyncIterator[str]
 
 class EngineDead(Exception):
     """The engine process is gone; every request in flight failed with it."""
+
+
+class EngineStep(NamedTuple):
+    """One step of the engine as vLLM reports it (its iteration details): what the step computed and how long its
+    model run took. Picklable: front-end processes send them to the pool."""
+
+    seconds: float
+    prefill_tokens: int  # prompt tokens computed (cached ones cost nothing and are not counted)
+    decode_tokens: int
+    kv_usage: float | None = None  # the share of the KV cache in use after the step
+    kv_tokens: int | None = None  # the KV cache's size in tokens (None: unknown)
+
+
+StepListener = Callable[[EngineStep], None]
 
 
 class Serving(Protocol):
@@ -82,6 +96,11 @@ class Serving(Protocol):
     def preemptions(self) -> int | None:
         """Running requests the engine has preempted since it started (vLLM's `vllm:num_preemptions`, summed over
         engines; None: unknown). Any thread."""
+        ...
+
+    def on_step(self, listener: StepListener) -> None:
+        """`listener` hears of every engine step from now on, on the loop that runs the requests (the engine
+        loop); an engine that reports no steps never calls it."""
         ...
 
 
@@ -175,6 +194,9 @@ class _Poisoned:
 
     def preemptions(self) -> int | None:
         return self._serving.preemptions()
+
+    def on_step(self, listener: StepListener) -> None:
+        self._serving.on_step(listener)
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
         if body.get("user") == self._poison_user:

@@ -31,10 +31,12 @@ from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, sco
 from app.domain.results import Body, rendered_body
 from app.engine import frontends
 from app.engine.found_adapters import adapter_finder
-from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, Stream
+from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, EngineStep, StepListener, Stream
 
 VLLM_VERSION: str = vllm.__version__
 log = logging.getLogger("vbatch.engine")
+# Set on the engine's arguments when vbatch, not the user, turned iteration details on (`apply_batch_defaults`).
+QUIET_ITERATIONS = "vbatch_quiet_iteration_lines"
 
 
 def _first_module(*names: str) -> Any:
@@ -135,6 +137,15 @@ class ServingLayer:
         from vllm.v1.engine.exceptions import EngineDeadError
 
         self._dead_error = EngineDeadError
+        self._step_listener: StepListener | None = None
+        _record_steps(engine_client, self._stepped)
+
+    def on_step(self, listener: StepListener) -> None:
+        self._step_listener = listener
+
+    def _stepped(self, step: EngineStep) -> None:
+        if self._step_listener is not None:
+            self._step_listener(step)
 
     @staticmethod
     def _collect(state: State) -> dict[str, Handler]:
@@ -490,6 +501,7 @@ async def _serving_layer(
     from vllm.usage.usage_lib import UsageContext
 
     server = _server_module()
+    _quiet_iteration_lines(args)
     async with AsyncExitStack() as stack:
         engine_client = await stack.enter_async_context(
             server.build_async_engine_client(args, usage_context=UsageContext.LLM_CLASS, client_config=client_config)
@@ -658,6 +670,73 @@ def _frontend_main(
     uvloop.run(main())  # as vLLM's own API server processes run
 
 
+def _record_steps(engine_client: Any, heard: StepListener) -> None:
+    """Hands each engine step this engine client hears of to `heard`, on its loop: a stat logger beside vLLM's own
+    (its manager's list, which its output handler reads at every output; vLLM's public hook for one, a plugin entry
+    point, needs an installed package). The engine core reports a step's details (`SchedulerStats.
+    iteration_details`, with `--enable-logging-iteration-details`, which `apply_batch_defaults` turns on) to one of
+    its clients: with front-end processes, each step reaches one of them, and the pool hears of all."""
+    manager = getattr(engine_client, "logger_manager", None)
+    loggers = getattr(manager, "stat_loggers", None)
+    if isinstance(loggers, list):
+        loggers.append(_StepRecorder(engine_client, heard))
+
+
+class _StepRecorder:
+    """vLLM's stat logger interface (`AggregateStatLoggerBase`; duck-typed: its base moves between releases)."""
+
+    def __init__(self, engine_client: Any, heard: StepListener) -> None:
+        self._engine_client = engine_client
+        self._heard = heard
+
+    def record(
+        self, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
+        details = getattr(scheduler_stats, "iteration_details", None)
+        if details is None or getattr(details, "is_dummy", False):
+            return
+        step = EngineStep(
+            seconds=details.elapsed_ms / 1000,
+            prefill_tokens=details.num_ctx_tokens,
+            decode_tokens=details.num_generation_tokens,
+            kv_usage=getattr(scheduler_stats, "kv_cache_usage", None),
+            kv_tokens=self._kv_tokens(),
+        )
+        try:
+            self._heard(step)
+        except Exception:  # a listener's bug must not stop vLLM's output handler, which would stall every request
+            log.exception("an engine step could not be recorded")
+
+    def _kv_tokens(self) -> int | None:
+        cache = self._engine_client.vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        return blocks * cache.block_size if isinstance(blocks, int) and blocks > 0 else None
+
+    def record_sleep_state(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+class _NoIterationLines(logging.Filter):
+    """vLLM's own stat logger writes a line a step once iteration details are on: vbatch reads them, and keeps that
+    line out of the log unless the user asked for it (`--enable-logging-iteration-details`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("%sIteration(")
+
+
+def _quiet_iteration_lines(args: argparse.Namespace) -> None:
+    if getattr(args, QUIET_ITERATIONS, False):
+        logger = logging.getLogger("vllm.v1.metrics.loggers")
+        if not any(isinstance(f, _NoIterationLines) for f in logger.filters):
+            logger.addFilter(_NoIterationLines())
+
+
 def _generation_tokens(registry: Any) -> int | None:
     return _counter_total(registry, "vllm:generation_tokens")
 
@@ -697,3 +776,7 @@ def apply_batch_defaults(args: argparse.Namespace) -> None:
     # under `fcfs` vLLM ignores priorities, and the engine then takes requests in the order they come.
     if isinstance(getattr(args, "scheduling_policy", None), _DefaultPolicy):
         args.scheduling_policy = PRIORITY_POLICY
+    # Each engine step's time and tokens (`_record_steps`): /metrics, the console, and the batch's pacing.
+    if hasattr(args, "enable_logging_iteration_details"):
+        setattr(args, QUIET_ITERATIONS, not args.enable_logging_iteration_details)
+        args.enable_logging_iteration_details = True

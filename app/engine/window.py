@@ -33,6 +33,14 @@ The rule, applied every `TICK_SECONDS` on the engine loop from what the online p
 It never goes below an eighth of a wave (`least`), so batches always progress. Shrinking cancels nothing: lines in
 flight finish, and fewer start.
 
+The ceiling also holds the batch's decode in a step to its part of a step a live request waits on (the pacing's
+`LIVE_STEP_SHARE` of the target, `app.engine.pacing`): the most batch lines whose decode, at what the engine's
+fitted step cost says a decoded token takes (`app.engine.steps`), fits in it. On a GPU a step decodes a wave for
+little more than one sequence (measured on an H100: ~40 ms for ~960 lines), and this bound is above a wave; on a CPU
+each sequence costs milliseconds (2 cores, SmolLM2: ~3.4 ms, 0.72 s a step for 200 lines), and it keeps the batch to
+its least while live requests are about. Beside the window, the pacing bounds the prompt tokens batch lines bring
+into each step (`pacer`); the window tells it when live traffic is about.
+
 Room at once. A tick comes a quarter second late, and shrinking frees no running slot: measured on an H100
 (docs/benchmarks.md, issue 29, second run), an online request that came while the engine held two waves of batch
 lines waited for one of them to end, seconds. So an online request that arrives when the batch lines held and the
@@ -41,7 +49,9 @@ online requests in flight are more than a wave withdraws the difference at once,
 then the running ones that started last, whose work is lost (a prompt's prefill mostly comes back from the prefix
 cache), never below `least`, so batches still progress under any online load. Each runs again once it has a place
 again. This is the preemption vLLM does not do for a slot, and the
-window is held under its ceiling at once too, so the lines withdrawn do not come straight back.
+window is held under its ceiling at once too, so the lines withdrawn do not come straight back. The lines beyond
+the decode bound above go the same way at once: a live request that arrives as a batch starts on a CPU (its lines
+just in, mostly still unprefilled) does not wait behind a step of all of them.
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from typing import NamedTuple
 
 from app.core import clock
 from app.engine.execution import Place
+from app.engine.pacing import LIVE_STEP_SHARE, PrefillPacer, estimated_tokens
 
 TICK_SECONDS = 0.25
 QUIET_SECONDS = 3.0
@@ -63,6 +74,8 @@ PERCENTILE = 0.9
 SHRINK = 0.5
 # Recent first-token times kept at most: enough for a percentile under a thousand concurrent streams.
 MAX_SAMPLES = 4096
+# An online request's output when it names no limit, for the KV cache room kept for live requests.
+DEFAULT_LIVE_OUTPUT = 256
 
 
 class WindowSize(NamedTuple):
@@ -81,10 +94,23 @@ class OnlineTraffic:
         self.in_flight = 0
         self.last_arrival = -math.inf
         self._first_tokens: deque[tuple[float, float]] = deque(maxlen=MAX_SAMPLES)  # (when it came, seconds)
+        self._arrivals: deque[tuple[float, int]] = deque(maxlen=MAX_SAMPLES)  # (when, KV tokens it may take)
 
-    def arrived(self) -> None:
+    def arrived(self, kv_tokens: int = 0) -> None:
         self.in_flight += 1
         self.last_arrival = self._now()
+        self._arrivals.append((self.last_arrival, kv_tokens))
+
+    def kv_reserve(self, ahead_seconds: float) -> int:
+        """KV cache tokens for the online requests in flight and those likely to arrive in `ahead_seconds` (at the
+        rate of the last `RECENT_SECONDS`), each at the mean of what recent ones may take."""
+        while self._arrivals and self._arrivals[0][0] < self._now() - RECENT_SECONDS:
+            self._arrivals.popleft()
+        if not self._arrivals:
+            return 0
+        each = sum(tokens for _, tokens in self._arrivals) / len(self._arrivals)
+        coming = math.ceil(len(self._arrivals) / RECENT_SECONDS * ahead_seconds)
+        return int(each * (self.in_flight + coming))
 
     def first_token(self, seconds: float) -> None:
         self._first_tokens.append((self._now(), seconds))
@@ -111,9 +137,18 @@ class BatchWindow:
     `withdrawn` may be read from any thread."""
 
     def __init__(
-        self, *, max_size: int, wave: int, ttft_target_seconds: float, now: Callable[[], float] | None = None
+        self,
+        *,
+        max_size: int,
+        wave: int,
+        ttft_target_seconds: float,
+        now: Callable[[], float] | None = None,
+        pacer: PrefillPacer | None = None,
     ) -> None:
         now = now or (lambda: clock.monotonic())  # looked up at each call: a test may drive `clock.monotonic`
+        self.pacer = pacer
+        if pacer is not None:
+            pacer.live_reserve = lambda: self.online.kv_reserve(TICK_SECONDS)
         self.max_size = max_size
         self.size = max_size
         self.wave = wave
@@ -137,9 +172,18 @@ class BatchWindow:
 
     @property
     def ceiling(self) -> int:
-        """The most while online traffic is about: a wave less room for it."""
+        """The most while online traffic is about: a wave less room for it, and no more than `decode_bound`."""
         room = max(self.grow_step, 2 * self.online.in_flight)
-        return min(self.max_size, max(self.least, self.wave - room))
+        return min(self.max_size, max(self.least, min(self.wave - room, self.decode_bound)))
+
+    @property
+    def decode_bound(self) -> int:
+        """The most batch lines whose decode fits in the batch's part of a step (module docstring); a wave while the
+        engine's decode cost is not known."""
+        costs = self.pacer.steps.costs() if self.pacer is not None else None
+        if costs is None or not costs.per_decode:
+            return self.wave
+        return int(self.ttft_target_seconds * LIVE_STEP_SHARE / costs.per_decode)
 
     @property
     def grow_step(self) -> int:
@@ -147,12 +191,20 @@ class BatchWindow:
 
     # The online path's reports, on the engine loop.
 
-    def online_arrived(self) -> None:
-        self.online.arrived()
+    def online_arrived(self, body: dict | None = None) -> None:
+        """`body`: what the engine is given (None: not known), whose prompt and output the KV cache keeps room for
+        and whose prompt tokens the engine's steps count as live."""
+        prompt = 0 if body is None else estimated_tokens(body)
+        self.online.arrived(prompt + _most_output(body))
+        if self.pacer is not None:
+            self.pacer.steps.online_arrived(prompt)
         if self.ttft_target_seconds > 0:
+            if self.pacer is not None:
+                self.pacer.activate(True)
             self.resize(min(self.size, self.ceiling))
             staying = self.held - self._leaving
-            self._withdraw(min(staying + self.online.in_flight - self.wave, staying - self.least))
+            beyond = max(staying + self.online.in_flight - self.wave, staying - self.decode_bound)
+            self._withdraw(min(beyond, staying - self.least))
 
     def online_first_token(self, seconds: float) -> None:
         self.online.first_token(seconds)
@@ -217,11 +269,15 @@ class BatchWindow:
     # The controller.
 
     def tick(self) -> int:
-        """Set the size by the rule (module docstring); returns it."""
-        if self._quiet():
+        """Set the size by the rule (module docstring), and tell the pacing whether live traffic is about; returns
+        the size."""
+        quiet = self._quiet()
+        if quiet:
             self.resize(self.max_size)
         else:
             self.resize(max(self.least, min(self.ceiling, self._wanted())))
+        if self.pacer is not None:
+            self.pacer.activate(not quiet)
         return self.size
 
     def _quiet(self) -> bool:
@@ -254,3 +310,12 @@ class BatchWindow:
         finally:
             ticking.cancel()
             await asyncio.gather(ticking, return_exceptions=True)
+
+
+def _most_output(body: dict | None) -> int:
+    """The most tokens an online request may generate, as far as its body says."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = (body or {}).get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return DEFAULT_LIVE_OUTPUT

@@ -1,0 +1,209 @@
+"""Batch lines enter the engine paced by their prompt tokens while live requests are about (issue 39).
+
+Why. A live request's first token costs its own prefill, plus the rest of the engine step running when it arrives
+(vLLM cannot stop a step), plus the batch tokens that share its step. vbatch starts the engine with `LLM`-class
+defaults (16,384 batched tokens a step on an H100), so a step that carries a full budget of batch prefill (a new
+batch's first wave, a refill after a wave ends together) takes hundreds of milliseconds on an 8B model, and seconds
+on a CPU. Free slots (the window, `app.engine.window`) do not bound that; the prompt tokens handed over do.
+
+The rule. While the window says live traffic is about (`active`), the batch lines handed to the engine carry at
+most `budget()` prompt tokens per engine step: each step the engine reports (`on_step`) gives the pace that many
+tokens again (what a step leaves unused is not kept), and a line waits, in order, until its tokens fit (a line
+larger than the whole budget goes alone, and the steps after pay for it). With no step reported for a while (an idle
+engine reports none) the pace refills on its own after about a step. The budget is `VBATCH_LIVE_PREFILL_TOKENS`, or
+derived: the batch's part of a step a live request waits on is held to `LIVE_STEP_SHARE` of the live TTFT target
+(50 ms of the default 500), and what the engine's fitted step cost (`app.engine.steps`) says its decode already
+takes of that leaves the prompt tokens that fit (at least one line a step: the batch always progresses), never more
+than the engine's own step budget. With data-parallel ranks each rank's step refills it.
+
+A new batch's first wave (the first `wave` lines a run hands over, `ramp`) is paced whatever the traffic, at no
+less than an eighth of the engine's step budget: a live request may arrive at any moment, and the step that would
+carry the whole wave at once cannot be stopped. Once the wave is in, a batch with no live traffic about refills at
+full pace.
+
+Room in the KV cache. While pacing, a line also waits while the engine's KV cache (its last reported use, if
+recent) has less free room than its prompt plus the room kept for live requests (`live_reserve`: those in flight
+and those likely to arrive before the next tick), so a live request is not the one that waits for blocks.
+
+Prompt tokens are estimated from a body's characters (`estimated_tokens`), corrected by what the engine reported
+for the lines answered so far (their prompt tokens less the cached ones): counting them exactly would cost a
+tokenizer call per line on the engine's loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable
+from typing import NamedTuple
+
+from app.domain.input_index import leading_text
+from app.engine.serving import EngineStep
+from app.engine.steps import EngineSteps
+
+# The batch's part of a step a live request waits on, as a share of the live TTFT target: a first token waits on
+# about two steps (the one running when it arrives, and its own), so two such parts leave most of the target to the
+# request's own prefill, the decode of what runs beside it and its way through the API.
+LIVE_STEP_SHARE = 0.1
+# A new batch's first wave enters at no less than this share of the engine's step budget a step.
+RAMP_SHARE = 1 / 8
+CHARS_PER_TOKEN = 4.0
+TEMPLATE_TOKENS = 8  # what a chat template adds around each message, about
+# While the engine has reported no step: how often the pace refills.
+DEFAULT_STEP_SECONDS = 0.05
+# The pace refills on its own after this many of the last step's seconds without a report (an idle engine).
+IDLE_STEPS = 2.0
+MIN_REFILL_SECONDS, MAX_REFILL_SECONDS = 0.005, 1.0
+# The KV cache's last reported use counts only this long (an idle engine reports none).
+KV_FRESH_SECONDS = 1.0
+# The estimate's correction moves this far towards each answered line's own ratio.
+CALIBRATION_WEIGHT = 0.02
+
+
+class PaceNumbers(NamedTuple):
+    """What /metrics and the console show of the pacing."""
+
+    active: bool  # live traffic about: batch lines paced
+    budget_tokens: int  # batch prompt tokens a step while paced
+    handed_tokens: int  # batch prompt tokens let in while paced (estimated), since the engine started
+    waited: int  # times a line waited for the next step
+
+
+def estimated_tokens(body: dict) -> int:
+    """A body's prompt tokens, roughly: its text's characters over `CHARS_PER_TOKEN`, and a chat template's tokens
+    around each message."""
+    messages = body.get("messages")
+    count = len(messages) if isinstance(messages, list) else 0
+    return max(1, math.ceil(len(leading_text(body)) / CHARS_PER_TOKEN) + TEMPLATE_TOKENS * count)
+
+
+class PrefillPacer:
+    """See the module. Used on the engine loop; `budget` and `active` may be read from any thread."""
+
+    def __init__(
+        self,
+        *,
+        steps: EngineSteps,
+        ttft_target_seconds: float,
+        max_step_tokens: int,
+        budget_tokens: int = 0,
+        live_reserve: Callable[[], int] = lambda: 0,
+        now: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.steps = steps
+        self.ttft_target_seconds = ttft_target_seconds
+        self.max_step_tokens = max(1, max_step_tokens)
+        self.budget_tokens = budget_tokens  # VBATCH_LIVE_PREFILL_TOKENS; 0: derived
+        self.live_reserve = live_reserve
+        self._now = now
+        self.active = False
+        self.ratio = 1.0  # engine tokens per estimated token, learned from answered lines
+        self.handed = 0  # prompt tokens handed over while pacing (estimated), since the engine started
+        self.waited = 0  # lines that waited for the pace
+        self._allowance = 0
+        self._refilled_at = -math.inf
+        self._refilled = asyncio.Event()
+        self._turn = asyncio.Lock()
+        self._last_step_seconds: float | None = None
+        self._last_step_at = -math.inf
+        steps.listen(self.on_step)
+
+    def numbers(self) -> PaceNumbers:
+        """From any thread."""
+        return PaceNumbers(self.active, self.budget(), self.handed, self.waited)
+
+    # What the window and the engine say.
+
+    def activate(self, active: bool) -> None:
+        """Live traffic about (True) or gone quiet (False); the pace starts afresh when it comes."""
+        if active and not self.active:
+            self._refill(self.budget())
+        self.active = active
+        if not active:
+            self._refilled.set()  # a line waiting for the pace goes now, unless it is a first wave's
+
+    def on_step(self, step: EngineStep) -> None:
+        self._last_step_seconds = step.seconds
+        self._last_step_at = self._now()
+        self._refill(self._pacing_now())
+
+    # The budget.
+
+    def budget(self) -> int:
+        """Batch prompt tokens a step while live traffic is about."""
+        if self.budget_tokens > 0:
+            return self.budget_tokens
+        return max(1, min(self.max_step_tokens, self._derived()))
+
+    def ramp_budget(self) -> int:
+        return max(self.budget(), int(self.max_step_tokens * RAMP_SHARE))
+
+    def _derived(self) -> int:
+        costs = self.steps.costs()
+        if costs.per_prefill is None or costs.per_prefill <= 0:
+            # No step measured yet: an eighth of the engine's step budget, as a new batch's first wave.
+            return int(self.max_step_tokens * RAMP_SHARE)
+        batch_seconds = self.ttft_target_seconds * LIVE_STEP_SHARE
+        last = self.steps.last()
+        decoding = (costs.per_decode or 0.0) * (last.decode_tokens if last is not None else 0)
+        return int(max(0.0, batch_seconds - decoding) / costs.per_prefill)
+
+    # The lines.
+
+    def estimate(self, body: dict) -> int:
+        return max(1, round(estimated_tokens(body) * self.ratio))
+
+    async def admit(self, tokens: int, *, ramp: bool = False) -> None:
+        """Returns once a line of `tokens` prompt tokens may enter the engine (at once unless pacing)."""
+        if not (self.active or ramp):
+            return
+        async with self._turn:
+            while (self.active or ramp) and not self._fits(
+                tokens, self.budget() if self.active else self.ramp_budget()
+            ):
+                self.waited += 1
+                self._refilled.clear()
+                try:
+                    await asyncio.wait_for(self._refilled.wait(), timeout=self._refill_after())
+                except TimeoutError:
+                    self._refill(self._pacing_now())
+            self._allowance -= tokens
+            self.handed += tokens
+
+    def _pacing_now(self) -> int:
+        """The budget in force: the live one, or a first wave's while no live traffic is about."""
+        return self.budget() if self.active else self.ramp_budget()
+
+    def _fits(self, tokens: int, budget: int) -> bool:
+        if self._refilled_at == -math.inf:
+            self._refill(budget)
+        if not self._kv_room(tokens):
+            return False
+        return self._allowance >= tokens or self._allowance >= budget
+
+    def _kv_room(self, tokens: int) -> bool:
+        usage, size = self.steps.kv_usage, self.steps.kv_tokens
+        if usage is None or not size or self._now() - self._last_step_at > KV_FRESH_SECONDS:
+            return True
+        return (1.0 - usage) * size - self.live_reserve() >= tokens
+
+    def _refill_after(self) -> float:
+        step = self._last_step_seconds or DEFAULT_STEP_SECONDS
+        return min(MAX_REFILL_SECONDS, max(MIN_REFILL_SECONDS, IDLE_STEPS * step))
+
+    def _refill(self, budget: int) -> None:
+        """A step's worth again; a debt (a line larger than what was left) is paid first."""
+        self._allowance = min(budget, self._allowance + budget) if self._refilled_at > -math.inf else budget
+        self._refilled_at = self._now()
+        self._refilled.set()
+
+    def answered(self, estimated: int, usage: dict | None) -> None:
+        """A line handed over with `estimated` tokens has its answer, whose `usage` corrects the estimate."""
+        prompt = (usage or {}).get("prompt_tokens")
+        if not isinstance(prompt, int) or prompt <= 0 or estimated <= 0:
+            return
+        cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        computed = max(1, prompt - (cached if isinstance(cached, int) else 0))
+        own_ratio = computed / (estimated / self.ratio)
+        self.ratio += CALIBRATION_WEIGHT * (own_ratio - self.ratio)

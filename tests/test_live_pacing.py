@@ -1,0 +1,307 @@
+"""Batch lines paced by their prompt tokens while live requests are about (`app.engine.pacing`), the engine's steps
+that pace them (`app.engine.steps`), and the bounds the window takes from those steps (`app.engine.window`).
+
+The batch runs on the fake engine, whose steps the tests report by hand (`FakeServing.step`): the pace refills at
+each step only, so what enters between two steps is what one step would carry."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.core import clock
+from app.engine import pacing
+from app.engine.pacing import PrefillPacer, estimated_tokens
+from app.engine.service import EngineService
+from app.engine.serving import EngineStep
+from app.engine.steps import EngineSteps, fitted
+from app.engine.window import QUIET_SECONDS, BatchWindow
+from app.testing import FakeEngine, FakeExecutor, FakeServing, fake_frontends
+from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
+
+BUDGET = 40  # batch prompt tokens a step: two of the lines below (18 tokens each by the estimate), not three
+TEXT = "x" * 40  # 10 tokens by characters, and 8 for the chat template around its message
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def steps_costing(*, fixed: float, per_prefill: float, per_decode: float, count: int = 64) -> EngineSteps:
+    """Steps whose times are exactly `fixed + per_prefill x prompt + per_decode x decode`, with a spread in both."""
+    steps = EngineSteps()
+    for i in range(count):
+        prefill, decode = (i % 7) * 100, (i % 5) * 20
+        steps.record(EngineStep(fixed + per_prefill * prefill + per_decode * decode, prefill, decode))
+    return steps
+
+
+def test_the_cost_of_a_step_is_fitted_from_its_tokens_and_a_kind_with_no_spread_keeps_its_last_value():
+    costs = steps_costing(fixed=0.01, per_prefill=2e-5, per_decode=1e-4).costs()
+    assert costs.fixed == pytest.approx(0.01)
+    assert costs.per_prefill == pytest.approx(2e-5)
+    assert costs.per_decode == pytest.approx(1e-4)
+    decode_only = [EngineStep(0.02 + 1e-4 * d, 0, d) for d in range(1, 40)]
+    again = fitted(decode_only, costs)
+    assert again.per_prefill == costs.per_prefill  # no prompt tokens in these steps: nothing new said of them
+    assert again.per_decode == pytest.approx(1e-4) and again.fixed == pytest.approx(0.02)
+    assert fitted(decode_only[:5], costs) == costs  # too few to fit
+
+
+def test_a_steps_prompt_tokens_pay_the_live_prompts_that_arrived_first_and_the_rest_is_the_batchs():
+    steps = EngineSteps()
+    steps.online_arrived(100)
+    steps.record(EngineStep(0.05, 300, 10))  # the live prompt and 200 of the batch's
+    steps.online_arrived(500)
+    steps.record(EngineStep(0.05, 200, 10))  # part of a long live prompt: all of it live
+    steps.record(EngineStep(0.05, 400, 10))  # the rest of it (300), then 100 of the batch's
+    registry = CollectorRegistry()
+    registry.register(steps)
+    samples = {
+        (s.name, s.labels.get("kind")): s.value
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for s in family.samples
+    }
+    assert samples[("vbatch_engine_step_tokens_total", "batch_prefill")] == 300
+    assert samples[("vbatch_engine_step_tokens_total", "live_prefill")] == 600
+    assert samples[("vbatch_engine_step_tokens_total", "decode")] == 30
+    assert samples[("vbatch_engine_steps_total", None)] == 3
+    assert samples[("vbatch_engine_step_seconds_count", None)] == 3
+    assert samples[("vbatch_engine_step_seconds_sum", None)] == pytest.approx(0.15)
+    summary = steps.summary()
+    assert summary is not None and summary.steps == 3
+    assert summary.batch_prefill == pytest.approx(100) and summary.live_prefill == pytest.approx(200)
+
+
+def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set():
+    steps = steps_costing(fixed=0.01, per_prefill=2e-5, per_decode=1e-4)
+    steps.record(EngineStep(0.01 + 1e-4 * 200, 0, 200))  # the last step decoded 200 tokens
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=16384)
+    # A tenth of 500 ms is the batch's: 20 ms of it decode, 30 ms left at 20 us a prompt token.
+    assert pacer.budget() == pytest.approx(1500, abs=2)
+    assert pacer.ramp_budget() == 2048  # a new batch's first wave: an eighth of the engine's step budget
+    assert PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=16384, budget_tokens=300).budget() == 300
+    steps.record(EngineStep(0.01 + 1e-4 * 900, 0, 900))  # decode alone over the batch's part: a line a step
+    assert pacer.budget() == 1
+    unmeasured = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=4096)
+    assert unmeasured.budget() == 512  # nothing measured yet: an eighth of the step budget
+
+
+async def _admitted(pacer: PrefillPacer, lines: list[int], *, ramp: bool = False) -> list[int]:
+    """Admits `lines` (their tokens) in order; returns how many entered before the pace made one wait."""
+    entered: list[int] = []
+
+    async def line(tokens: int) -> None:
+        await pacer.admit(tokens, ramp=ramp)
+        entered.append(tokens)
+
+    tasks = [asyncio.create_task(line(tokens)) for tokens in lines]
+    while pacer.waited == 0 and not all(t.done() for t in tasks):
+        await asyncio.sleep(0)
+    count = len(entered)
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return entered[:count]
+
+
+def test_a_step_lets_in_its_budget_a_larger_line_alone_and_the_steps_after_pay_for_it(monkeypatch):
+    asyncio.run(_a_step_lets_in_its_budget(monkeypatch))
+
+
+async def _a_step_lets_in_its_budget(monkeypatch) -> None:
+    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)  # the steps below refill the pace, nothing else
+    steps = EngineSteps()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET)
+    assert await _admitted(pacer, [30, 30, 30]) == [30, 30, 30]  # no live traffic: no pace
+    pacer.activate(True)
+    assert await _admitted(pacer, [18, 18, 18]) == [18, 18]
+    pacer.waited = 0
+    steps.record(EngineStep(0.05, 0, 0))
+    assert await _admitted(pacer, [100, 18]) == [100]  # over the budget: alone, with a step's allowance whole
+    allowed = []
+    for _ in range(3):  # 60 tokens over: the next step pays 40 of them, the one after 20 and lets 20 in
+        pacer.waited = 0
+        steps.record(EngineStep(0.05, 0, 0))
+        allowed.append(await _admitted(pacer, [18, 18, 18]))
+    assert allowed == [[], [18], [18, 18]]
+    pacer.activate(False)
+    pacer.waited = 0
+    assert await _admitted(pacer, [500, 500]) == [500, 500]  # quiet again: full pace
+    pacer.waited = 0
+    steps.record(EngineStep(0.05, 0, 0))
+    ramped = await _admitted(pacer, [400] * 5, ramp=True)  # a first wave: an eighth of 8,192 a step
+    assert ramped == [400, 400]
+
+
+def test_a_line_waits_while_the_kv_cache_lacks_room_for_it_and_the_live_requests(monkeypatch):
+    asyncio.run(_a_line_waits_for_kv_room(monkeypatch))
+
+
+async def _a_line_waits_for_kv_room(monkeypatch) -> None:
+    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)
+    steps = EngineSteps()
+    pacer = PrefillPacer(
+        steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET, live_reserve=lambda: 40
+    )
+    pacer.activate(True)
+    steps.record(EngineStep(0.05, 0, 0, kv_usage=0.95, kv_tokens=1000))  # 50 free, 40 of them kept for live ones
+    assert await _admitted(pacer, [18]) == []
+    pacer.waited = 0
+    steps.record(EngineStep(0.05, 0, 0, kv_usage=0.9, kv_tokens=1000))  # 100 free
+    assert await _admitted(pacer, [18, 18, 18]) == [18, 18]  # the room, then the pace
+
+
+def test_an_online_arrival_withdraws_the_batch_lines_whose_decode_does_not_fit_the_batchs_part_of_a_step():
+    asyncio.run(_arrival_withdraws_beyond_the_decode_bound())
+
+
+async def _arrival_withdraws_beyond_the_decode_bound() -> None:
+    # A CPU's step: 10 ms a decoded token, so 5 lines fill a tenth of 500 ms.
+    steps = steps_costing(fixed=0.04, per_prefill=6e-4, per_decode=0.01)
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=4096)
+    window = BatchWindow(max_size=32, wave=64, ttft_target_seconds=0.5, pacer=pacer, now=Clock())
+    assert window.decode_bound == 5 and window.least == 8
+    requests: list[asyncio.Future] = []
+    entered = asyncio.Event()
+
+    async def line() -> None:
+        async with window.place() as place:
+            place.request = asyncio.get_running_loop().create_future()
+            requests.append(place.request)
+            if len(requests) == 20:
+                entered.set()
+            await asyncio.gather(place.request, return_exceptions=True)
+
+    lines = [asyncio.create_task(line()) for _ in range(20)]
+    await entered.wait()
+    window.online_arrived({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
+    # 20 lines, a wave of 64: room enough, but the decode of more than the least (8) is over the batch's part.
+    assert [r.cancelled() for r in requests] == [False] * 8 + [True] * 12
+    assert window.withdrawn == 12 and window.size == 8 and pacer.active
+    for request in requests[:8]:
+        request.set_result("answered")
+    await asyncio.gather(*lines)
+
+
+def engine_of(executor: FakeExecutor) -> FakeEngine:
+    engine = FakeEngine()
+    engine.executor = executor
+    return engine
+
+
+def test_batch_lines_enter_within_the_budget_each_step_while_a_live_request_is_in_flight_then_at_full_pace(
+    settings, monkeypatch
+):
+    moved = Clock()
+    monkeypatch.setattr(clock, "monotonic", moved)
+    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)  # the steps this test reports refill the pace
+    monkeypatch.setattr(pacing, "CALIBRATION_WEIGHT", 0.0)  # the fake's usage says 5 prompt tokens a line
+    # A wave of 8: the window has room (lines are answered at once), and past the first wave's 8 lines, which are
+    # paced whatever the traffic, lines go at full pace once no live request is about.
+    monkeypatch.setattr(FakeServing, "max_num_seqs", 8)
+    settings = settings.model_copy(update={"live_prefill_tokens": BUDGET})
+    executor = FakeExecutor()
+    with app_on(settings, engine_of(executor)) as client:
+        service: EngineService = client.app.state.engine
+        window = wait_for(lambda: service._ctx).window  # the engine serves
+        pacer = window.pacer
+        on_engine_loop = service._loop.call_soon_threadsafe  # type: ignore[union-attr]
+        live = {"model": "fake-model", "messages": [{"role": "user", "content": "now"}], "max_tokens": 4}
+        on_engine_loop(window.online_arrived, live)  # in flight until the test says it is done
+        wait_for(lambda: pacer.active)
+        lines = [request_line(f"r{i:02}", messages=[{"role": "user", "content": TEXT}]) for i in range(24)]
+        assert estimated_tokens(lines[0]["body"]) == 18
+        batch = create_batch(client, upload(client, jsonl(lines))["id"])
+        entered_per_step = []
+        for step in range(6):
+            wait_for(lambda step=step: pacer.waited > step)  # the next line waits for the next step
+            entered_per_step.append(len(executor.bodies) - sum(entered_per_step))
+            on_engine_loop(service.live._serving.step, EngineStep(0.05, 36, 0))  # type: ignore[union-attr]
+        tokens_per_step = [18 * count for count in entered_per_step]
+        assert all(0 < tokens <= BUDGET for tokens in tokens_per_step), tokens_per_step
+        assert entered_per_step == [2] * 6
+        on_engine_loop(window.online_done)
+        moved.now += QUIET_SECONDS
+        on_engine_loop(window.tick)  # quiet: full pace, with no step reported from here on
+        done = wait_status(client, batch["id"], {"completed"})
+        assert not pacer.active and len(executor.bodies) == 24
+    output = read_jsonl(client, done["output_file_id"])
+    assert sorted(line["custom_id"] for line in output) == [f"r{i:02}" for i in range(24)]
+
+
+def test_the_engine_steps_are_on_metrics_and_on_the_consoles_engine_page(settings):
+    executor = FakeExecutor()
+    executor.report_steps = True
+    with app_on(settings, engine_of(executor)) as client:
+        batch = create_batch(client, upload(client, jsonl([request_line(f"s{i}") for i in range(6)]))["id"])
+        wait_status(client, batch["id"], {"completed"})
+        families = {f.name: f for f in text_string_to_metric_families(client.get("/metrics").text)}
+        assert families["vbatch_engine_steps"].samples[0].value == 6
+        tokens = {s.labels["kind"]: s.value for s in families["vbatch_engine_step_tokens"].samples}
+        assert tokens == {"batch_prefill": 12, "live_prefill": 0, "decode": 6}  # "hi sN": two words a line
+        assert "vbatch_batch_prefill_budget_tokens" in families and "vbatch_batch_paced" in families
+        page = " ".join(client.get("/console/engine").text.split())
+    assert 'id="step-time"' in page and "1.0 ms median" in page
+    assert "2.0 batch prefill, 0 live prefill, 1.0 decode" in page
+    assert "off: full pace" in page
+
+
+def test_vllms_iteration_details_become_engine_steps_and_their_log_lines_stay_out_unless_asked(caplog):
+    from app.engine import vllm_adapter
+
+    heard: list[EngineStep] = []
+    stats = SimpleNamespace(stat_loggers=[])
+    cache = SimpleNamespace(num_gpu_blocks=10, block_size=16)
+    client = SimpleNamespace(logger_manager=stats, vllm_config=SimpleNamespace(cache_config=cache))
+    vllm_adapter._record_steps(client, heard.append)
+    (recorder,) = stats.stat_loggers
+    details = SimpleNamespace(elapsed_ms=12.5, num_ctx_tokens=100, num_generation_tokens=7, is_dummy=False)
+    recorder.record(SimpleNamespace(iteration_details=details, kv_cache_usage=0.25), None, engine_idx=0)
+    recorder.record(SimpleNamespace(iteration_details=None), None)  # a client's stats without a step
+    assert heard == [EngineStep(0.0125, 100, 7, 0.25, 160)]
+
+    args = SimpleNamespace(enable_logging_iteration_details=False, scheduling_policy="fcfs")
+    vllm_adapter.apply_batch_defaults(args)
+    assert args.enable_logging_iteration_details is True
+    vllm_logger = logging.getLogger("vllm.v1.metrics.loggers")
+    vllm_adapter._quiet_iteration_lines(args)
+    try:
+        with caplog.at_level(logging.INFO, logger="vllm.v1.metrics.loggers"):
+            vllm_logger.info("%sIteration(%d): ...", "Engine 000: ", 1)
+            vllm_logger.info("Engine 000: Avg prompt throughput")
+        assert [r.getMessage() for r in caplog.records] == ["Engine 000: Avg prompt throughput"]
+    finally:
+        for quiet in [f for f in vllm_logger.filters if isinstance(f, vllm_adapter._NoIterationLines)]:
+            vllm_logger.removeFilter(quiet)
+    asked = SimpleNamespace(enable_logging_iteration_details=True, scheduling_policy="fcfs")
+    vllm_adapter.apply_batch_defaults(asked)
+    vllm_adapter._quiet_iteration_lines(asked)
+    assert not any(isinstance(f, vllm_adapter._NoIterationLines) for f in vllm_logger.filters)  # the user's flag
+
+
+def test_front_end_processes_pass_each_engine_step_they_hear_of_to_the_pool():
+    asyncio.run(_front_ends_pass_steps())
+
+
+async def _front_ends_pass_steps() -> None:
+    heard: list[EngineStep] = []
+    async with fake_frontends(2, report_steps=True) as pool:
+        pool.on_step(heard.append)
+        answers = await asyncio.gather(
+            *(pool.execute("/v1/chat/completions", request_line(f"f{i}")["body"]) for i in range(4))
+        )
+        assert [status for status, _ in answers] == [200] * 4
+        async with asyncio.timeout(20):
+            while len(heard) < 4:
+                await asyncio.sleep(0.01)  # the steps travel with the front ends' online news, apart from the answers
+    assert sorted(step.prefill_tokens for step in heard) == [2] * 4 and {step.decode_tokens for step in heard} == {1}
