@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,9 @@ import httpx
 
 from app.domain.adapters import Adapter
 from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
+from app.domain.openai_errors import openai_error, unknown_argument
 from app.engine import frontends
+from app.engine.arguments import openai_arguments
 from app.engine.serving import EngineDead, EngineStep, StepListener, Stream
 
 FAKE_MODEL = "fake-model"
@@ -177,7 +179,9 @@ def _scores(endpoint: str, body: dict) -> dict:
 
 
 def _error_body(message: str, kind: str, param: str | None, code: int = 400) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    """vLLM's refusal (its exception's class as `kind`, the HTTP status as `code`) as the real serving layer passes it
+    on: in OpenAI's words (`app.vllm_adapter.ServingLayer`)."""
+    return {"error": openai_error(code, {"message": message, "type": kind, "param": param, "code": code})}
 
 
 _STREAMED = ("/v1/chat/completions", "/v1/completions")
@@ -261,9 +265,11 @@ class FakeServing:
         max_lora_rank: int | None = None,
         max_loras: int | None = None,
         endpoints: Sequence[str] = GENERATIVE_ENDPOINTS,
+        arguments: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.executor = executor
         self.endpoints = tuple(endpoints)
+        self.arguments = arguments
         self.adapters = [Adapter(name=name, parent=model, root=f"/adapters/{name}") for name in adapters]
         self.served_models = [model, *adapters]
         self.engine_config: dict[str, object] = {
@@ -293,13 +299,24 @@ class FakeServing:
         )
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
-        if endpoint not in self.endpoints:
-            return self._cannot_answer(endpoint)
+        refused = self._refused(endpoint, body)
+        if refused is not None:
+            return refused
         answer = await self.executor.execute(endpoint, body, rank)
         if self.executor.report_steps:
             output = (answer[1].get("usage") or {}).get("completion_tokens") or 0
             self.step(EngineStep(0.001, fake_token_count(body, endpoint) or 0, output))
         return answer
+
+    def _refused(self, endpoint: str, body: dict) -> tuple[int, dict] | None:
+        """What the real serving layer refuses before its handler runs: an endpoint the model has no handler for,
+        and (where the fake is given the arguments its endpoints take) an argument no one takes."""
+        if endpoint not in self.endpoints:
+            return self._cannot_answer(endpoint)
+        if self.arguments is None:
+            return None
+        unknown = unknown_argument(body, self.arguments.get(endpoint))
+        return None if unknown is None else (400, {"error": unknown})
 
     def _cannot_answer(self, endpoint: str) -> tuple[int, dict]:
         """As the real serving layer answers an endpoint its model has no handler for (`vllm_adapter.ServingLayer`)."""
@@ -330,9 +347,20 @@ class FakeServing:
         ]
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, dict] | Stream:
-        if endpoint not in self.endpoints:
-            return self._cannot_answer(endpoint)
+        refused = self._refused(endpoint, body)
+        if refused is not None:
+            return refused
         return await self.executor.respond(endpoint, body)
+
+
+# vLLM's own arguments the fake stands for: those vbatch itself adds to bodies, and two of vLLM's sampling extras.
+FAKE_ENGINE_ARGUMENTS = frozenset({"priority", "cache_salt", "top_k", "repetition_penalty"})
+
+
+def fake_arguments() -> dict[str, frozenset[str]]:
+    """What the fake takes at each endpoint, as the real serving layer would: OpenAI's arguments and vLLM's."""
+    found = {endpoint: openai_arguments(endpoint) for endpoint in GENERATIVE_ENDPOINTS}
+    return {endpoint: (taken or frozenset()) | FAKE_ENGINE_ARGUMENTS for endpoint, taken in found.items()}
 
 
 class FakeEngine:
@@ -340,7 +368,10 @@ class FakeEngine:
     test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
     `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent);
     `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say); `endpoints`: what
-    its model answers (a scoring model's: `SCORING`), others get the real serving layer's 400."""
+    its model answers (a scoring model's: `SCORING`), others get the real serving layer's 400; `arguments`: the
+    top-level arguments each endpoint takes (`app.engine.arguments`), others refused as the real serving layer
+    refuses them (None: any taken, the fake's own switches such as `stall` included; `VBATCH_FAKE_ARGUMENTS=openai`
+    in its process: `fake_arguments()`)."""
 
     def __init__(
         self,
@@ -352,9 +383,13 @@ class FakeEngine:
         max_lora_rank: int | None = None,
         max_loras: int | None = None,
         endpoints: Sequence[str] = GENERATIVE_ENDPOINTS,
+        arguments: Mapping[str, frozenset[str]] | None = None,
     ) -> None:
         self.executor = FakeExecutor()
         self.endpoints = tuple(endpoints)
+        if arguments is None and os.environ.get("VBATCH_FAKE_ARGUMENTS") == "openai":
+            arguments = fake_arguments()
+        self.arguments = arguments
         self.model = model
         self.adapters = list(adapters)
         self.max_lora_rank = max_lora_rank
@@ -378,6 +413,7 @@ class FakeEngine:
             max_lora_rank=self.max_lora_rank,
             max_loras=self.max_loras,
             endpoints=self.endpoints,
+            arguments=self.arguments,
         )
         self.serving.data_parallel_size = self.data_parallel_size
         yield self.serving

@@ -87,26 +87,24 @@ def test_an_unknown_model_is_openais_404(online, double):
     assert double.calls == []
 
 
-def test_a_body_that_is_not_a_json_object_gets_vllms_400(online, double):
-    # What `vllm serve` 0.x answers, taken from its own handler (FastAPI validation, vLLM's envelope).
+def test_a_body_that_is_not_a_json_object_gets_openais_400(online, double):
+    # What OpenAI and vbatch's own routes answer such a body: `invalid_json`, never vLLM's `"code": 400`.
     invalid = online.post("/v1/chat/completions", content=b"{not json", headers={"content-type": "application/json"})
     assert invalid.status_code == 400
     assert invalid.json() == {
         "error": {
-            "message": "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', 'msg': 'JSON decode error', "
-            "'input': '<dict of 0 items>', 'ctx': {'error': 'Expecting property name enclosed in double quotes'}}",
-            "type": "Bad Request",
-            "param": "body.1",
-            "code": 400,
+            "message": "We could not parse the JSON body of your request.",
+            "type": "invalid_request_error",
+            "param": None,
+            "code": "invalid_json",
         }
     }
     a_list = online.post("/v1/completions", content=b"[1,2]", headers={"content-type": "application/json"})
     assert a_list.json()["error"] == {
-        "message": "1 validation error:\n  {'type': 'model_attributes_type', 'loc': 'body', 'msg': 'Input should be "
-        "a valid dictionary or object to extract fields from', 'input': '<list of 2 items>'}",
-        "type": "Bad Request",
-        "param": "body",
-        "code": 400,
+        "message": "The body of your request must be a JSON object.",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "invalid_json",
     }
     assert double.calls == []
 

@@ -133,7 +133,7 @@ def test_lines_answered_400_are_listed_and_those_answered_500_retried(client, fa
     answer = retry(client, done["id"])
     assert answer["retried"] == 1 and answer["not_retried_count"] == 1
     assert answer["not_retried"] == [
-        {"custom_id": "bad", "line": 2, "status_code": 400, "reason": "BadRequestError: max_tokens must be positive"}
+        {"custom_id": "bad", "line": 2, "status_code": 400, "reason": "invalid_value: max_tokens must be positive"}
     ]
     assert file_lines(client, answer["batch"]["input_file_id"]) == [content.splitlines()[2]]
     again = wait_status(client, answer["batch"]["id"], {"completed"})  # the fake's 500 is the same every time
@@ -218,7 +218,7 @@ def test_what_cannot_be_retried_gets_a_clear_error(client, fake_engine):
 
     bad = create_batch(client, upload(client, jsonl([request_line("b", max_tokens=-1)]))["id"])
     error = refusal(client, wait_status(client, bad["id"], FINAL)["id"], 400)
-    assert error["code"] == "nothing_to_retry" and "line 1: 400 BadRequestError" in error["message"]
+    assert error["code"] == "nothing_to_retry" and "line 1: 400 invalid_value" in error["message"]
 
     assert client.delete(f"/v1/files/{running['input_file_id']}").status_code == 200
     assert refusal(client, running["id"], 400)["code"] == "input_file_not_found"

@@ -17,6 +17,7 @@ from app.core.disk import DiskFull, is_disk_full
 from app.core.errors import DomainError, Unauthenticated
 from app.domain.errors import Conflict, InvalidRequest, ModelNotServed, NotFound, TooManyActive
 from app.domain.online import EngineUnavailable, error_event
+from app.domain.openai_errors import missing_parameter, unrecognized_argument
 from app.domain.ratelimits import RateLimited
 
 log = logging.getLogger("vbatch.api")
@@ -86,10 +87,16 @@ def _rate_limited(exc: RateLimited) -> APIError:
 
 
 def engine_validation_error(error: dict) -> APIError:
-    """The 400 `vllm serve` answers for a body its request model cannot take (its validation handler): pydantic's
-    error in the message, type "Bad Request", code 400, the error's location as `param`. The online routes answer
-    bodies that are not a JSON object with it, as the engine's own serving layer answers everything else."""
-    return APIError(400, f"1 validation error:\n  {error}", type="Bad Request", param=error.get("loc"), code=400)
+    """The 400 for a body no request model of the engine's can take (pydantic's `error` as theirs would raise it: no
+    JSON, or JSON that is not an object), in OpenAI's words, as vbatch's own routes answer such a body."""
+    if error.get("type") == "model_attributes_type":
+        return bad_request(_NOT_AN_OBJECT, code="invalid_json")
+    return bad_request(_UNPARSED, code="invalid_json")
+
+
+def from_error_object(status_code: int, error: dict) -> APIError:
+    """An error object of OpenAI's (`app.domain.openai_errors`) as the HTTP error that carries it."""
+    return APIError(status_code, error["message"], type=error["type"], param=error["param"], code=error["code"])
 
 
 def request_too_large(limit: int) -> APIError:
@@ -122,6 +129,7 @@ def _first_required_body_field(request: Request) -> str | None:
 
 
 _UNPARSED = "We could not parse the JSON body of your request."
+_NOT_AN_OBJECT = "The body of your request must be a JSON object."
 # What FastAPI answers for a body its JSON decoding raised on other than with a decode error.
 _FASTAPI_UNPARSED = "There was an error parsing the body"
 
@@ -133,13 +141,14 @@ def _from_validation(request: Request, exc: RequestValidationError) -> APIError:
     if kind == "json_invalid":
         return bad_request(_UNPARSED, code="invalid_json")
     if kind in ("model_attributes_type", "dict_type") and loc == ("body",):
-        return bad_request("The body of your request must be a JSON object.", code="invalid_json")
+        return bad_request(_NOT_AN_OBJECT, code="invalid_json")
     param = _param_of(loc)
-    if kind == "extra_forbidden":
-        return bad_request(f"Unrecognized request argument supplied: '{param}'.", param=param, code="unknown_parameter")
+    if kind == "extra_forbidden" and param is not None:
+        return from_error_object(400, unrecognized_argument(param))
     if kind == "missing":
         param = param or _first_required_body_field(request)
-        return bad_request(f"Missing required parameter: '{param}'.", param=param, code="missing_required_parameter")
+        if param is not None:
+            return from_error_object(400, missing_parameter(param))
     return bad_request(f"Invalid value for '{param}': {first.get('msg')}.", param=param, code="invalid_value")
 
 

@@ -10,12 +10,12 @@ ahead. Batch lines run at `BATCH_PRIORITY`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from app.core.errors import DomainError
 from app.domain.errors import InvalidRequest
+from app.domain.openai_errors import error_data, openai_error
 
 ONLINE_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
 
@@ -46,10 +46,9 @@ class EngineUnavailable(DomainError):
 
 
 def error_event(message: str, *, kind: str, code: int) -> str:
-    """The event vLLM ends a stream with when it fails mid-answer (`create_streaming_error_response`): its
-    ErrorResponse, which the client's SDK raises."""
-    error = {"message": message, "type": kind, "param": None, "code": code}
-    return f"data: {json.dumps({'error': error})}\n\n"
+    """The event a stream ends with when it fails mid-answer, as vLLM ends one (`create_streaming_error_response`:
+    its exception's class `kind`, its HTTP status `code`), with OpenAI's error object, which the client's SDK raises."""
+    return error_data(openai_error(code, {"message": message, "type": kind, "param": None, "code": code}))
 
 
 def online_priority(body: dict) -> int:

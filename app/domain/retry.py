@@ -66,7 +66,9 @@ def failure_of(record: dict) -> Failure:
     error = body.get("error") if isinstance(body, dict) else None
     error = error if isinstance(error, dict) else {}
     status = response.get("status_code")
-    return Failure(status if isinstance(status, int) else None, _reason(error.get("type"), error.get("message")))
+    # OpenAI's code says what failed ("context_length_exceeded"); a body without one, its type.
+    kind = error.get("code") if isinstance(error.get("code"), str) else error.get("type")
+    return Failure(status if isinstance(status, int) else None, _reason(kind, error.get("message")))
 
 
 def _reason(kind: object, message: object) -> str:

@@ -42,6 +42,7 @@ import zmq.asyncio
 from app.domain.adapters import Adapter
 from app.domain.estimates import PromptCount
 from app.domain.online import error_event
+from app.domain.openai_errors import openai_error
 from app.domain.results import Body, EncodedBody, encode_body
 from app.engine.serving import EngineDead, Serving, StepListener, Stream
 
@@ -629,4 +630,4 @@ def watch_for_stack_dumps() -> None:
 
 
 def _internal_error(exc: Exception) -> dict[str, Any]:
-    return {"error": {"message": str(exc), "type": "InternalServerError", "param": None, "code": INTERNAL_ERROR}}
+    return {"error": openai_error(INTERNAL_ERROR, {"message": str(exc), "code": INTERNAL_ERROR})}

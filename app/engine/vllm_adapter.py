@@ -11,6 +11,7 @@ import asyncio
 import functools
 import importlib
 import inspect
+import json
 import logging
 import os
 import sys
@@ -22,14 +23,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import vllm
+from pydantic import ValidationError
 from starlette.datastructures import State
 from starlette.requests import Request
 
 from app.core.lora_dir import LoraDir
 from app.domain.adapters import Adapter, AdapterProblem
 from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
-from app.domain.results import Body, rendered_body
+from app.domain.openai_errors import invalid_arguments, openai_error, openai_event, unknown_argument
+from app.domain.results import Body, EncodedBody, rendered_body
 from app.engine import frontends
+from app.engine.arguments import known_arguments
 from app.engine.found_adapters import adapter_finder
 from app.engine.serving import PRIORITY_POLICY, EngineDead, EngineFactory, EngineStep, StepListener, Stream
 
@@ -108,6 +112,8 @@ def is_cpu_build() -> bool:
 class Handler:
     request_type: Any  # a pydantic model class, or an adapter with model_validate
     call: Callable[..., Any]
+    # Every top-level argument its bodies may carry (`app.engine.arguments`); None: not known, none refused.
+    arguments: frozenset[str] | None = None
 
 
 def _request_type(method: Callable[..., Any]) -> type:
@@ -173,6 +179,8 @@ class ServingLayer:
                 handlers[route] = Handler(_run_batch_request_type("ScoreRequest"), scores)
             for route in ("/v1/rerank", "/rerank", "/v2/rerank"):
                 handlers[route] = Handler(_run_batch_request_type("RerankRequest"), scores)
+        for route, handler in handlers.items():
+            handler.arguments = known_arguments(route, getattr(handler.request_type, "validated", handler.request_type))
         return handlers
 
     @property
@@ -202,9 +210,10 @@ class ServingLayer:
         return response.error.code, response.model_dump(mode="json")
 
     async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, Body]:
-        """(HTTP status, JSON body) exactly as `vllm serve` would answer this body at this endpoint."""
+        """(HTTP status, JSON body) exactly as `vllm serve` would answer this body at this endpoint, but a refusal in
+        OpenAI's words (`app.domain.openai_errors`)."""
         result = await self._handle(endpoint, body, None if rank is None else _pinned_request(endpoint, rank))
-        return result if isinstance(result, tuple) else self._as_json(result)
+        return _in_openai_words(endpoint, body, result if isinstance(result, tuple) else self._as_json(result))
 
     async def respond(self, endpoint: str, body: dict) -> tuple[int, Body] | Stream:
         """As `execute`, but a body that asks `stream` gets the server-sent events the handler yields, as `vllm serve`
@@ -214,22 +223,30 @@ class ServingLayer:
         on a close its generator is finalised by the event loop's async-generator hook)."""
         result = await self._handle(endpoint, body, None)
         if isinstance(result, tuple):
-            return result
+            return _in_openai_words(endpoint, body, result)
         if hasattr(result, "__anext__"):  # the handler's streaming path
-            return _responses_events(result) if endpoint == "/v1/responses" else result
-        return self._as_json(result)
+            if endpoint == "/v1/responses":
+                return _responses_events(result)
+            return _openai_events(result, endpoint, body)
+        return _in_openai_words(endpoint, body, self._as_json(result))
 
     async def _handle(self, endpoint: str, body: dict, raw_request: Request | None) -> Any:
-        """What the endpoint's handler returned, or (status, vLLM's error envelope) for a body it refused."""
+        """What the endpoint's handler returned, or (status, an error envelope) for a body it refused: vLLM's, or
+        OpenAI's for an argument no one takes and for a body its request model cannot read."""
         handler = self._handlers.get(endpoint)
         if handler is None:
             # A 400, as `vllm run-batch` answers it: the line is wrong for this engine, and no retry can help.
             answered = ", ".join(self._handlers)
             message = f"The served model cannot answer {endpoint}; this engine answers {answered}."
             return self._error(ValueError(message))
+        unknown = unknown_argument(body, handler.arguments)
+        if unknown is not None:
+            return 400, {"error": unknown}
         try:
             request = handler.request_type.model_validate(body)
-        except ValueError as exc:
+        except ValidationError as exc:
+            return 400, {"error": invalid_arguments(exc.errors(include_url=False))}
+        except Exception as exc:  # vLLM's own validators raise its VLLMValidationError, which is no ValueError
             return self._error(exc)
         try:
             refused = await self._load_found_adapter(body.get("model"))
@@ -435,6 +452,27 @@ def _pinned_request(endpoint: str, rank: int) -> Request:
     return Request(scope, receive=never)
 
 
+def _in_openai_words(endpoint: str, body: dict, answer: tuple[int, Body]) -> tuple[int, Body]:
+    """An answer with its error, if it is one, as OpenAI's error object (`app.domain.openai_errors`)."""
+    status, payload = answer
+    if status < 400:
+        return answer
+    envelope = json.loads(payload.json) if isinstance(payload, EncodedBody) else payload
+    error = envelope.get("error") if isinstance(envelope, dict) else None
+    return status, {"error": openai_error(status, error, endpoint=endpoint, body=body)}
+
+
+async def _openai_events(events: AsyncIterator[str], endpoint: str, body: dict) -> AsyncIterator[str]:
+    """A chat or completions stream with its error event, if it ends on one, in OpenAI's words."""
+    try:
+        async for event in events:
+            yield openai_event(event, endpoint=endpoint, body=body)
+    finally:
+        aclose = getattr(events, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
 async def _responses_events(events: AsyncGenerator[Any, None]) -> AsyncIterator[str]:
     """The Responses API's stream, written as `vllm serve` writes it: its handler yields event objects, which the
     route renders (vLLM's `responses/api_router._convert_stream_to_sse_events`)."""
@@ -452,13 +490,17 @@ def _run_batch_request_type(name: str) -> Any:
     chat-style; ScoreRequest: its four spellings of the pairs), which only a TypeAdapter validates."""
     from pydantic import TypeAdapter
 
-    adapter = TypeAdapter(getattr(_run_batch_module(), name))
+    validated = getattr(_run_batch_module(), name)
+    adapter = TypeAdapter(validated)
 
     class _Adapter:
+        validated: Any = None  # set below: the type it validates, for the arguments it takes
+
         @staticmethod
         def model_validate(body: dict) -> Any:
             return adapter.validate_python(body)
 
+    _Adapter.validated = validated
     return _Adapter
 
 

@@ -192,9 +192,10 @@ INTRO = """Every error vbatch sends carries one of the codes below, in one of th
 - **A result line's `error`** in a batch's error file: `{"custom_id", "response": null, "error": {"code",
   "message"}}` for a request that never got an answer (cancelled, expired, its engine crashed on it).
 
-The online endpoints (`/v1/chat/completions`, ...) pass vLLM's own errors through as `vllm serve` answers them
-(vLLM's `type`, and the status as `code`, such as `"code": 400`); the codes below are vbatch's. A message shows
-its variable parts as `{name}`; a status is shown where the code that raises it names it, and otherwise follows the
-error's kind above.
+What the engine refuses, answering an online request (`/v1/chat/completions`, ...) or a batch line (its error
+body), is in OpenAI's words too: vLLM's `"type": "BadRequestError"` and `"code": 400` become `invalid_request_error`
+(`server_error` for a 5xx) and the codes below, `param` naming the request's argument; vLLM's message is kept. A
+message shows its variable parts as `{name}`; a status is shown where the code that raises it names it, and
+otherwise follows the error's kind above.
 
 """

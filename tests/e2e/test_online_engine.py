@@ -101,12 +101,13 @@ def test_a_streamed_chat_answer_is_vllms_server_sent_events(service):
     assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
 
 
-def test_json_answers_and_a_refused_stream_are_vllms_bodies(service):
+def test_json_answers_are_vllms_bodies_and_a_refused_stream_openais_error(service):
     answer = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=4, service_tier="flex")))
     assert answer.status == 200 and answer.body is not None and answer.body["object"] == "chat.completion"
     refused = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=-1, stream=True)))
     assert refused.status == 400 and refused.events is None and refused.body is not None
-    assert refused.body["error"]["type"] == "BadRequestError"
+    error = refused.body["error"]
+    assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "max_tokens", "invalid_value")
 
 
 def test_a_responses_stream_is_written_as_vllm_serve_writes_it(service):
