@@ -40,9 +40,9 @@ def label_messages(n: int, shared: bool) -> list[dict]:
     return [{"role": "system", "content": rules()}, user] if shared else [user]
 
 
-def write_labels(path: Path, *, shared: bool, first: int) -> Path:
+def write_labels(path: Path, *, shared: bool, first: int, count: int = LINES) -> Path:
     with path.open("w") as out:
-        for n in range(first, first + LINES):
+        for n in range(first, first + count):
             body = {"model": SERVED, "messages": label_messages(n, shared), **LABEL_BODY}
             line = {"custom_id": f"item-{n}", "method": "POST", "url": "/v1/chat/completions", "body": body}
             out.write(json.dumps(line) + "\n")
