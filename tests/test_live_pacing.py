@@ -19,7 +19,7 @@ from app.engine import pacing
 from app.engine.pacing import PrefillPacer, estimated_tokens
 from app.engine.service import EngineService
 from app.engine.serving import EngineStep
-from app.engine.steps import EngineSteps, fitted
+from app.engine.steps import LIVE_OWED_SECONDS, EngineSteps, fitted
 from app.engine.window import QUIET_SECONDS, BatchWindow
 from app.testing import FakeEngine, FakeExecutor, FakeServing, fake_frontends
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -82,6 +82,17 @@ def test_a_steps_prompt_tokens_pay_the_live_prompts_that_arrived_first_and_the_r
     assert summary.batch_prefill == pytest.approx(100) and summary.live_prefill == pytest.approx(200)
 
 
+def test_an_online_prompt_no_step_computed_in_ten_seconds_is_no_longer_counted_as_live():
+    moved = Clock()
+    steps = EngineSteps(now=moved)
+    steps.online_arrived(50)  # refused before the engine, or aborted: no step will compute it
+    moved.now += LIVE_OWED_SECONDS + 1
+    steps.online_arrived(30)
+    steps.record(EngineStep(0.05, 100, 0))
+    summary = steps.summary()
+    assert summary is not None and (summary.live_prefill, summary.batch_prefill) == (30, 70)
+
+
 def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set():
     steps = steps_costing(fixed=0.01, per_prefill=2e-5, per_decode=1e-4)
     steps.record(EngineStep(0.01 + 1e-4 * 200, 0, 200))  # the last step decoded 200 tokens
@@ -94,6 +105,15 @@ def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set(
     assert pacer.budget() == 1
     unmeasured = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=4096)
     assert unmeasured.budget() == 512  # nothing measured yet: an eighth of the step budget
+
+
+def test_a_target_of_zero_paces_nothing_not_even_a_first_wave():
+    async def admitted() -> list[int]:
+        pacer = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0, max_step_tokens=4096)
+        pacer.activate(True)
+        return await _admitted(pacer, [4096] * 3, ramp=True)
+
+    assert asyncio.run(admitted()) == [4096] * 3
 
 
 async def _admitted(pacer: PrefillPacer, lines: list[int], *, ramp: bool = False) -> list[int]:

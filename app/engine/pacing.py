@@ -156,8 +156,8 @@ class PrefillPacer:
 
     async def admit(self, tokens: int, *, ramp: bool = False) -> None:
         """Returns once a line of `tokens` prompt tokens may enter the engine (at once unless pacing)."""
-        if not (self.active or ramp):
-            return
+        if not (self.active or ramp) or self.ttft_target_seconds <= 0:
+            return  # a target of 0 turns the live protections off, a first wave's pace with them
         async with self._turn:
             while (self.active or ramp) and not self._fits(
                 tokens, self.budget() if self.active else self.ramp_budget()

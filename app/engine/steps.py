@@ -37,6 +37,9 @@ FIT_EVERY_SECONDS = 0.25
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Token kinds of `vbatch_engine_step_tokens_total`.
 BATCH_PREFILL, LIVE_PREFILL, DECODE = "batch_prefill", "live_prefill", "decode"
+# An online prompt no step has computed this long after it arrived never will (refused before the engine, or
+# aborted): it is no longer counted against the steps' prompt tokens.
+LIVE_OWED_SECONDS = 10.0
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,8 @@ class EngineSteps(Collector):
         self._now = now
         self._lock = threading.Lock()
         self._recent: deque[_Seen] = deque(maxlen=max(FIT_STEPS, 4096))
-        self._live_owed = 0  # prompt tokens of online requests that arrived and that no step has computed yet
+        # Online prompts that arrived and that no step has computed yet: [when, tokens left], oldest first.
+        self._live_owed: deque[list] = deque()
         self._count = 0
         self._seconds = 0.0
         self._buckets = [0] * len(STEP_BUCKETS)
@@ -98,12 +102,12 @@ class EngineSteps(Collector):
 
     def online_arrived(self, prompt_tokens: int) -> None:
         with self._lock:
-            self._live_owed += max(0, prompt_tokens)
+            if prompt_tokens > 0:
+                self._live_owed.append([self._now(), prompt_tokens])
 
     def record(self, step: EngineStep) -> None:
         with self._lock:
-            live = min(step.prefill_tokens, self._live_owed)
-            self._live_owed -= live
+            live = self._pay_live(step.prefill_tokens)
             self._recent.append(_Seen(self._now(), step, step.prefill_tokens - live, live))
             self._count += 1
             self._seconds += step.seconds
@@ -119,6 +123,20 @@ class EngineSteps(Collector):
                 self.kv_tokens = step.kv_tokens
         for listener in self._listeners:
             listener(step)
+
+    def _pay_live(self, prompt_tokens: int) -> int:
+        """Of a step's prompt tokens, those of the online prompts that arrived before it (oldest first)."""
+        since = self._now() - LIVE_OWED_SECONDS
+        while self._live_owed and self._live_owed[0][0] < since:
+            self._live_owed.popleft()
+        paid = 0
+        while self._live_owed and paid < prompt_tokens:
+            owed = self._live_owed[0]
+            part = min(owed[1], prompt_tokens - paid)
+            paid, owed[1] = paid + part, owed[1] - part
+            if owed[1] == 0:
+                self._live_owed.popleft()
+        return paid
 
     @property
     def count(self) -> int:
