@@ -163,6 +163,30 @@ async def _a_step_lets_in_its_budget(monkeypatch) -> None:
     assert ramped == [400, 400]
 
 
+def test_a_line_after_a_first_wave_waits_for_the_wave_to_be_in_though_it_is_not_paced_itself(monkeypatch):
+    asyncio.run(_after_a_first_wave(monkeypatch))
+
+
+async def _after_a_first_wave(monkeypatch) -> None:
+    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)
+    steps = EngineSteps()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET)
+    entered: list[str] = []
+
+    async def line(name: str, tokens: int, first_wave: bool) -> None:
+        await pacer.admit(tokens, ramp=first_wave)
+        entered.append(name)
+
+    wave = [asyncio.create_task(line(f"w{i}", 400, True)) for i in range(3)]
+    after = asyncio.create_task(line("after", 10, False))
+    while pacer.waited == 0:
+        await asyncio.sleep(0)
+    assert entered == ["w0", "w1"] and not after.done()  # a step's 1,024 tokens: two of the wave
+    steps.record(EngineStep(0.05, 800, 0))
+    await asyncio.gather(*wave, after)
+    assert entered == ["w0", "w1", "w2", "after"]
+
+
 def test_a_line_waits_while_the_kv_cache_lacks_room_for_it_and_the_live_requests(monkeypatch):
     asyncio.run(_a_line_waits_for_kv_room(monkeypatch))
 

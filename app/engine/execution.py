@@ -93,6 +93,10 @@ class Pacer(Protocol):
         """The body's prompt tokens, as the pace counts them."""
         ...
 
+    def paces(self, *, ramp: bool = False) -> bool:
+        """Whether a line must go through `admit` now (False: it enters at once)."""
+        ...
+
     async def admit(self, tokens: int, *, ramp: bool = False) -> None:
         """Returns once a line of `tokens` may enter the engine; `ramp`: one of a new batch's first wave."""
         ...
@@ -236,7 +240,8 @@ class _Sender:
         body = request["body"] if self._engine_body is None else self._engine_body(request["body"])
         pacer = self._pacer
         estimated = 0 if pacer is None else pacer.estimate(body)
-        if pacer is not None and await _run_in(place, _paced(pacer, estimated, first_wave)) is None:
+        waits = pacer is not None and pacer.paces(ramp=first_wave)
+        if waits and await _run_in(place, _paced(pacer, estimated, first_wave)) is None:
             return None
         answer = await _run_in(place, self._executor.execute(self._endpoint, body, rank))
         if answer is None:
@@ -247,8 +252,9 @@ class _Sender:
         return outcome
 
 
-async def _paced(pacer: Pacer, tokens: int, first_wave: bool) -> bool:
-    await pacer.admit(tokens, ramp=first_wave)
+async def _paced(pacer: Pacer | None, tokens: int, first_wave: bool) -> bool:
+    if pacer is not None:
+        await pacer.admit(tokens, ramp=first_wave)
     return True
 
 

@@ -154,10 +154,17 @@ class PrefillPacer:
     def estimate(self, body: dict) -> int:
         return max(1, round(estimated_tokens(body) * self.ratio))
 
+    def paces(self, *, ramp: bool = False) -> bool:
+        """Whether a line (one of a first wave: `ramp`) goes through `admit` now; False: it enters at once."""
+        if self.ttft_target_seconds <= 0:
+            return False  # a target of 0 turns the live protections off, a first wave's pace with them
+        # In order: a line after a first wave's waits for the wave to be in, whether or not it is paced itself.
+        return self.active or ramp or self._turn.locked()
+
     async def admit(self, tokens: int, *, ramp: bool = False) -> None:
         """Returns once a line of `tokens` prompt tokens may enter the engine (at once unless pacing)."""
-        if not (self.active or ramp) or self.ttft_target_seconds <= 0:
-            return  # a target of 0 turns the live protections off, a first wave's pace with them
+        if not self.paces(ramp=ramp):
+            return
         async with self._turn:
             while (self.active or ramp) and not self._fits(
                 tokens, self.budget() if self.active else self.ramp_budget()
@@ -168,8 +175,9 @@ class PrefillPacer:
                     await asyncio.wait_for(self._refilled.wait(), timeout=self._refill_after())
                 except TimeoutError:
                     self._refill(self._pacing_now())
-            self._allowance -= tokens
-            self.handed += tokens
+            if self.active or ramp:
+                self._allowance -= tokens
+                self.handed += tokens
 
     def _pacing_now(self) -> int:
         """The budget in force: the live one, or a first wave's while no live traffic is about."""
