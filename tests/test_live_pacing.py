@@ -105,6 +105,8 @@ def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set(
     assert pacer.budget() == 1
     unmeasured = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=4096)
     assert unmeasured.budget() == 512  # nothing measured yet: an eighth of the step budget
+    small_steps = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=1024, budget_tokens=40)
+    assert small_steps.ramp_budget() == 512  # not an eighth of 1,024: the engine bounds its steps itself
 
 
 def test_a_target_of_zero_paces_nothing_not_even_a_first_wave():
