@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.core import clock
 from app.engine import pacing
+from app.engine.execution import FixedSlots, run_lines
 from app.engine.pacing import PrefillPacer, estimated_tokens
 from app.engine.service import EngineService
 from app.engine.serving import EngineStep
@@ -110,101 +112,107 @@ def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set(
 
 
 def test_a_target_of_zero_paces_nothing_not_even_a_first_wave():
-    async def admitted() -> list[int]:
-        pacer = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0, max_step_tokens=4096)
-        pacer.activate(True)
-        return await _admitted(pacer, [4096] * 3, ramp=True)
-
-    assert asyncio.run(admitted()) == [4096] * 3
+    pacer = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0, max_step_tokens=4096)
+    pacer.activate(True)
+    assert admitted(pacer, [4096] * 3, ramp=True) == [4096] * 3
 
 
-async def _admitted(pacer: PrefillPacer, lines: list[int], *, ramp: bool = False) -> list[int]:
-    """Admits `lines` (their tokens) in order; returns how many entered before the pace made one wait."""
+def admitted(pacer: PrefillPacer, lines: list[int], *, ramp: bool = False) -> list[int]:
+    """The lines (their tokens) that enter, in their order, before one does not fit."""
     entered: list[int] = []
-
-    async def line(tokens: int) -> None:
-        await pacer.admit(tokens, ramp=ramp)
+    for tokens in lines:
+        if not pacer.fits(tokens, ramp=ramp):
+            break
+        pacer.take(tokens, ramp=ramp)
         entered.append(tokens)
-
-    tasks = [asyncio.create_task(line(tokens)) for tokens in lines]
-    while pacer.waited == 0 and not all(t.done() for t in tasks):
-        await asyncio.sleep(0)
-    count = len(entered)
-    for task in tasks:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return entered[:count]
+    return entered
 
 
-def test_a_step_lets_in_its_budget_a_larger_line_alone_and_the_steps_after_pay_for_it(monkeypatch):
-    asyncio.run(_a_step_lets_in_its_budget(monkeypatch))
-
-
-async def _a_step_lets_in_its_budget(monkeypatch) -> None:
-    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)  # the steps below refill the pace, nothing else
+def test_a_step_lets_in_its_budget_a_larger_line_alone_and_the_steps_after_pay_for_it():
     steps = EngineSteps()
     pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET)
-    assert await _admitted(pacer, [30, 30, 30]) == [30, 30, 30]  # no live traffic: no pace
+    assert admitted(pacer, [30, 30, 30]) == [30, 30, 30]  # no live traffic: no pace
     pacer.activate(True)
-    assert await _admitted(pacer, [18, 18, 18]) == [18, 18]
-    pacer.waited = 0
+    assert admitted(pacer, [18, 18, 18]) == [18, 18]
     steps.record(EngineStep(0.05, 0, 0))
-    assert await _admitted(pacer, [100, 18]) == [100]  # over the budget: alone, with a step's allowance whole
+    assert admitted(pacer, [100, 18]) == [100]  # over the budget: alone, with a step's allowance whole
     allowed = []
     for _ in range(3):  # 60 tokens over: the next step pays 40 of them, the one after 20 and lets 20 in
-        pacer.waited = 0
         steps.record(EngineStep(0.05, 0, 0))
-        allowed.append(await _admitted(pacer, [18, 18, 18]))
+        allowed.append(admitted(pacer, [18, 18, 18]))
     assert allowed == [[], [18], [18, 18]]
     pacer.activate(False)
-    pacer.waited = 0
-    assert await _admitted(pacer, [500, 500]) == [500, 500]  # quiet again: full pace
-    pacer.waited = 0
+    assert admitted(pacer, [500, 500]) == [500, 500]  # quiet again: full pace
     steps.record(EngineStep(0.05, 0, 0))
-    ramped = await _admitted(pacer, [400] * 5, ramp=True)  # a first wave: an eighth of 8,192 a step
-    assert ramped == [400, 400]
+    assert admitted(pacer, [400] * 5, ramp=True) == [400, 400]  # a first wave: an eighth of 8,192 a step
 
 
-def test_a_line_after_a_first_wave_waits_for_the_wave_to_be_in_though_it_is_not_paced_itself(monkeypatch):
-    asyncio.run(_after_a_first_wave(monkeypatch))
+def test_a_line_that_does_not_fit_waits_for_the_next_step_or_without_one_about_two_steps():
+    asyncio.run(_waits_for_the_next_step())
 
 
-async def _after_a_first_wave(monkeypatch) -> None:
-    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)
+async def _waits_for_the_next_step() -> None:
     steps = EngineSteps()
     pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET)
-    entered: list[str] = []
-
-    async def line(name: str, tokens: int, first_wave: bool) -> None:
-        await pacer.admit(tokens, ramp=first_wave)
-        entered.append(name)
-
-    wave = [asyncio.create_task(line(f"w{i}", 400, True)) for i in range(3)]
-    after = asyncio.create_task(line("after", 10, False))
-    while pacer.waited == 0:
-        await asyncio.sleep(0)
-    assert entered == ["w0", "w1"] and not after.done()  # a step's 1,024 tokens: two of the wave
-    steps.record(EngineStep(0.05, 800, 0))
-    await asyncio.gather(*wave, after)
-    assert entered == ["w0", "w1", "w2", "after"]
+    pacer.activate(True)
+    assert admitted(pacer, [30, 30]) == [30]
+    waiting = asyncio.create_task(pacer.opened())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    steps.record(EngineStep(0.2, 0, 0))  # a step: the pace refills
+    await waiting
+    assert admitted(pacer, [30, 30]) == [30]
+    started = time.monotonic()
+    await pacer.opened()  # no step reported: on its own after about two of the last one (0.2 s)
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert admitted(pacer, [30]) == [30]
 
 
-def test_a_line_waits_while_the_kv_cache_lacks_room_for_it_and_the_live_requests(monkeypatch):
-    asyncio.run(_a_line_waits_for_kv_room(monkeypatch))
+def test_lines_reach_the_engine_in_their_order_when_one_waits_for_the_pace_and_a_smaller_one_would_fit():
+    asyncio.run(_lines_in_order())
 
 
-async def _a_line_waits_for_kv_room(monkeypatch) -> None:
-    monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)
+async def _lines_in_order() -> None:
+    steps = EngineSteps()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192)  # a first wave: 1,024 a step
+    sizes = [900, 900, 10, 10, 900, 10]  # the second does not fit beside the first; the third would
+    lines = [(i, {"custom_id": f"p{i}", "body": {"messages": [{"role": "user", "content": "x" * 4 * size}]}}, None)
+             for i, size in enumerate(sizes)]  # fmt: skip
+    seen: list[str] = []
+
+    class Recording:
+        async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
+            seen.append(next(line[1]["custom_id"] for line in lines if line[1]["body"] is body))
+            return 200, {"usage": {}}
+
+    async def source():
+        for line in lines:
+            yield line
+
+    async def stepping() -> None:  # the engine's steps, each refilling the pace
+        while True:
+            await asyncio.sleep(0.01)
+            steps.record(EngineStep(0.01, 0, 0))
+
+    engine = asyncio.create_task(stepping())
+    outcomes: dict[int, object] = {}
+    await run_lines(source(), executor=Recording(), endpoint="/v1/chat/completions", slots=FixedSlots(6), workers=6,
+                    on_outcome=outcomes.__setitem__, pacer=pacer, ramp=4)  # fmt: skip
+    engine.cancel()
+    assert seen == [f"p{i}" for i in range(6)] and len(outcomes) == 6
+    assert pacer.refusals > 0  # the second waited for a step; the third, which would have fit, waited behind it
+
+
+def test_a_line_waits_while_the_kv_cache_lacks_room_for_it_and_the_live_requests():
     steps = EngineSteps()
     pacer = PrefillPacer(
         steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=BUDGET, live_reserve=lambda: 40
     )
     pacer.activate(True)
     steps.record(EngineStep(0.05, 0, 0, kv_usage=0.95, kv_tokens=1000))  # 50 free, 40 of them kept for live ones
-    assert await _admitted(pacer, [18]) == []
-    pacer.waited = 0
+    assert admitted(pacer, [18]) == []
     steps.record(EngineStep(0.05, 0, 0, kv_usage=0.9, kv_tokens=1000))  # 100 free
-    assert await _admitted(pacer, [18, 18, 18]) == [18, 18]  # the room, then the pace
+    assert admitted(pacer, [18, 18, 18]) == [18, 18]  # the room, then the pace
 
 
 def test_an_online_arrival_withdraws_the_batch_lines_whose_decode_does_not_fit_the_batchs_part_of_a_step():
@@ -251,6 +259,7 @@ def test_batch_lines_enter_within_the_budget_each_step_while_a_live_request_is_i
     moved = Clock()
     monkeypatch.setattr(clock, "monotonic", moved)
     monkeypatch.setattr(pacing, "MIN_REFILL_SECONDS", 3600.0)  # the steps this test reports refill the pace
+    monkeypatch.setattr(pacing, "MAX_REFILL_SECONDS", 3600.0)
     monkeypatch.setattr(pacing, "CALIBRATION_WEIGHT", 0.0)  # the fake's usage says 5 prompt tokens a line
     # A wave of 8: the window has room (lines are answered at once), and past the first wave's 8 lines, which are
     # paced whatever the traffic, lines go at full pace once no live request is about.
@@ -268,9 +277,10 @@ def test_batch_lines_enter_within_the_budget_each_step_while_a_live_request_is_i
         lines = [request_line(f"r{i:02}", messages=[{"role": "user", "content": TEXT}]) for i in range(24)]
         assert estimated_tokens(lines[0]["body"]) == 18
         batch = create_batch(client, upload(client, jsonl(lines))["id"])
-        entered_per_step = []
-        for step in range(6):
-            wait_for(lambda step=step: pacer.waited > step)  # the next line waits for the next step
+        entered_per_step, refused = [], 0
+        for _ in range(6):
+            wait_for(lambda refused=refused: pacer.refusals > refused)  # the next line waits for the next step
+            refused = pacer.refusals
             entered_per_step.append(len(executor.bodies) - sum(entered_per_step))
             on_engine_loop(service.live._serving.step, EngineStep(0.05, 36, 0))  # type: ignore[union-attr]
         tokens_per_step = [18 * count for count in entered_per_step]

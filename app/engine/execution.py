@@ -4,9 +4,8 @@ A fixed set of worker coroutines pulls lines from one iterator, so memory follow
 size of the file. Each line holds a `Place` while it runs; the batch window (`app.engine.window`) may withdraw a
 line from its place to seat an online request: its request is aborted in the engine, and the line runs again once
 it has a place again, so it still gets exactly one outcome. A `Gate` may hold the next line back until lines in
-flight make room for it (LoRA adapters, `app.engine.ordering`); lines wait there without a place. A `Pacer` holds a
-line with its place until its prompt tokens fit the engine's next step (`app.engine.pacing`); one withdrawn while
-it waits there has cost nothing.
+flight make room for it (LoRA adapters, `app.engine.ordering`), and a `Pacer` until its prompt tokens fit the
+engine's next step (`app.engine.pacing`); lines wait there without a place, in their order.
 """
 
 from __future__ import annotations
@@ -87,22 +86,26 @@ class Gate(Protocol):
 
 
 class Pacer(Protocol):
-    """Lets lines into the engine at a pace of prompt tokens (`app.engine.pacing.PrefillPacer`)."""
+    """Lets lines into the engine at a pace of prompt tokens (`app.engine.pacing.PrefillPacer`), in their order."""
 
     def estimate(self, body: dict) -> int:
         """The body's prompt tokens, as the pace counts them."""
         ...
 
-    def paces(self, *, ramp: bool = False) -> bool:
-        """Whether a line must go through `admit` now (False: it enters at once)."""
+    def fits(self, tokens: int, *, ramp: bool = False) -> bool:
+        """Whether a line of `tokens` may enter now; `ramp`: one of a new batch's first wave."""
         ...
 
-    async def admit(self, tokens: int, *, ramp: bool = False) -> None:
-        """Returns once a line of `tokens` may enter the engine; `ramp`: one of a new batch's first wave."""
+    def take(self, tokens: int, *, ramp: bool = False) -> None:
+        """The line that fits enters."""
         ...
 
-    def answered(self, estimated: int, usage: dict | None) -> None:
-        """The line has its answer, with the engine's usage."""
+    async def opened(self) -> None:
+        """Returns when a line that did not fit may try again."""
+        ...
+
+    def answered(self, body: dict, usage: dict | None) -> None:
+        """A line has its answer, with the engine's usage."""
         ...
 
 
@@ -111,6 +114,7 @@ class _Held:
 
 
 HELD = _Held()
+PACED = _Held()  # the next line is held back by the pace of prompt tokens, not the gate
 
 
 class FixedSlots:
@@ -146,35 +150,35 @@ async def run_lines(
     pacer: Pacer | None = None,
     ramp: int = 0,
 ) -> None:
-    """Returns when every line has an outcome. Cancelling it aborts the requests in flight (they write nothing).
-    `engine_body`: what the engine is given for a line's body (None: the body as it is). `gate`: lines wait there
-    in order, before taking a place: one that waits with a place would keep it from a withdrawn line it waits for.
-    `pacer`: each line waits there with its place before it is sent, the first `ramp` lines as a new batch's first
-    wave.
-
-    An exception from the executor (the engine died) cancels the other workers and propagates; `in_flight` then
-    holds the numbers of the lines that had been sent and have no outcome.
-    """
+    """Returns when every line has an outcome; cancelling it aborts the requests in flight (they write nothing).
+    `engine_body`: what the engine is given for a body (None: the body). `gate` and `pacer` (the first `ramp` lines
+    a first wave): lines wait there in order without a place, which a withdrawn line they wait for may need. An
+    executor's exception (the engine died) cancels the other workers and propagates; `in_flight` then holds the
+    numbers of the lines sent with no outcome."""
     sent: set[int] = set() if in_flight is None else in_flight
-    source = _Source(lines, gate, on_all_submitted)
+    source = _Source(lines, gate, on_all_submitted, pacer, ramp)
     sender = _Sender(executor, endpoint, engine_body, pacer)
 
     async def worker() -> None:
         line: Line | None = None
-        first_wave = False
+        waiting: _Held | None = None  # what the last try found in the way
         while True:
-            if gate is not None and line is None:
-                await gate.opened()
+            await _opened(waiting or (HELD if line is None else None), gate, pacer)
             async with slots.place() as place:
                 if line is None:
                     pulled = await source.next()
                     if pulled is None:
                         return
                     if isinstance(pulled, _Held):
-                        continue  # its place given back: the gate is waited on without one
-                    line, first_wave = pulled, source.pulled <= ramp
+                        waiting = pulled
+                        continue  # its place given back: the gate or the pace is waited on without one
+                    line = pulled
                     sent.add(line[0])
-                outcome = await sender.send(place, line, first_wave)
+                elif not source.again(line):
+                    waiting = PACED
+                    continue
+                waiting = None
+                outcome = await sender.send(place, line)
                 if outcome is None:
                     continue  # withdrawn: the same line again, at its next place
                 sent.discard(line[0])
@@ -192,15 +196,31 @@ async def run_lines(
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+async def _opened(waiting: _Held | None, gate: Gate | None, pacer: Pacer | None) -> None:
+    """Waits, without a place, for what held the last line back: the gate (before a new line, always), the pace."""
+    if waiting is PACED and pacer is not None:
+        await pacer.opened()
+    elif waiting is HELD and gate is not None:
+        await gate.opened()
+
+
 class _Source:
-    """The lines in their order, to one puller at a time (one async generator); the gate may hold the next back."""
+    """The lines in their order, to one puller at a time (one async generator); the pace or the gate may hold the
+    next back, and the lines after it wait behind it."""
 
     def __init__(
-        self, lines: AsyncIterator[Line], gate: Gate | None, on_all_submitted: Callable[[], None] | None
+        self,
+        lines: AsyncIterator[Line],
+        gate: Gate | None,
+        on_all_submitted: Callable[[], None] | None,
+        pacer: Pacer | None = None,
+        ramp: int = 0,
     ) -> None:
         self._lines = lines
         self._gate = gate
         self._on_all_submitted = on_all_submitted
+        self._pacer = pacer
+        self._ramp = ramp
         self._exhausted = False
         self._held: Line | None = None
         self._pulling = asyncio.Lock()
@@ -215,16 +235,33 @@ class _Source:
                 self._exhausted = True
                 if self._on_all_submitted is not None:
                     self._on_all_submitted()
-            elif self._gate is not None and not self._gate.admit(line[0]):
+                return None
+            first_wave = self.pulled < self._ramp
+            tokens = 0 if self._pacer is None else self._pacer.estimate(line[1]["body"])
+            if self._pacer is not None and not self._pacer.fits(tokens, ramp=first_wave):
+                self._held = line
+                return PACED
+            if self._gate is not None and not self._gate.admit(line[0]):
                 self._held = line
                 return HELD
-            else:
-                self.pulled += 1
+            if self._pacer is not None:
+                self._pacer.take(tokens, ramp=first_wave)
+            self.pulled += 1
             return line
+
+    def again(self, line: Line) -> bool:
+        """A withdrawn line's next run: whether the pace lets it in now (taking its tokens if so)."""
+        if self._pacer is None:
+            return True
+        tokens = self._pacer.estimate(line[1]["body"])
+        if not self._pacer.fits(tokens):
+            return False
+        self._pacer.take(tokens)
+        return True
 
 
 class _Sender:
-    """A line's request to the engine, from its place: paced, sent, answered."""
+    """A line's request to the engine, from its place: sent, answered."""
 
     def __init__(
         self, executor: Executor, endpoint: str, engine_body: Callable[[dict], dict] | None, pacer: Pacer | None
@@ -234,28 +271,17 @@ class _Sender:
         self._engine_body = engine_body
         self._pacer = pacer
 
-    async def send(self, place: Place, line: Line, first_wave: bool) -> Outcome | None:
-        """The line's outcome; None when its place withdrew it (while it waited for the pace, or in the engine)."""
+    async def send(self, place: Place, line: Line) -> Outcome | None:
+        """The line's outcome; None when its place withdrew it."""
         _, request, rank = line
         body = request["body"] if self._engine_body is None else self._engine_body(request["body"])
-        pacer = self._pacer
-        estimated = 0 if pacer is None else pacer.estimate(body)
-        waits = pacer is not None and pacer.paces(ramp=first_wave)
-        if waits and await _run_in(place, _paced(pacer, estimated, first_wave)) is None:
-            return None
         answer = await _run_in(place, self._executor.execute(self._endpoint, body, rank))
         if answer is None:
             return None
         outcome = http_outcome(request["custom_id"], *answer)
-        if pacer is not None:
-            pacer.answered(estimated, outcome.usage)
+        if self._pacer is not None:
+            self._pacer.answered(request["body"], outcome.usage)
         return outcome
-
-
-async def _paced(pacer: Pacer | None, tokens: int, first_wave: bool) -> bool:
-    if pacer is not None:
-        await pacer.admit(tokens, ramp=first_wave)
-    return True
 
 
 async def _run_in(place: Place, request: Coroutine[Any, Any, T]) -> T | None:

@@ -103,11 +103,11 @@ class PrefillPacer:
         self.active = False
         self.ratio = 1.0  # engine tokens per estimated token, learned from answered lines
         self.handed = 0  # prompt tokens handed over while pacing (estimated), since the engine started
-        self.waited = 0  # lines that waited for the pace
+        self.waited = 0  # times a line waited for the pace's next refill
         self._allowance = 0
         self._refilled_at = -math.inf
         self._refilled = asyncio.Event()
-        self._turn = asyncio.Lock()
+        self.refusals = 0  # times a line did not fit the step
         self._last_step_seconds: float | None = None
         self._last_step_at = -math.inf
         steps.listen(self.on_step)
@@ -124,7 +124,7 @@ class PrefillPacer:
             self._refill(self.budget())
         self.active = active
         if not active:
-            self._refilled.set()  # a line waiting for the pace goes now, unless it is a first wave's
+            self._refilled.set()  # a line waiting for the pace tries again now
 
     def on_step(self, step: EngineStep) -> None:
         self._last_step_seconds = step.seconds
@@ -158,30 +158,38 @@ class PrefillPacer:
     def estimate(self, body: dict) -> int:
         return max(1, round(estimated_tokens(body) * self.ratio))
 
-    def paces(self, *, ramp: bool = False) -> bool:
-        """Whether a line (one of a first wave: `ramp`) goes through `admit` now; False: it enters at once."""
-        if self.ttft_target_seconds <= 0:
-            return False  # a target of 0 turns the live protections off, a first wave's pace with them
-        # In order: a line after a first wave's waits for the wave to be in, whether or not it is paced itself.
-        return self.active or ramp or self._turn.locked()
+    def fits(self, tokens: int, *, ramp: bool = False) -> bool:
+        """Whether a line of `tokens` prompt tokens (one of a first wave: `ramp`) may enter the engine now; True at
+        once unless pacing. The lines ask in their order (`app.engine.execution`): one that does not fit is held,
+        and the lines after it wait behind it."""
+        if not self._pacing(ramp):
+            return True
+        if self._fits(tokens, self._pacing_now()):
+            return True
+        self.refusals += 1
+        return False
 
-    async def admit(self, tokens: int, *, ramp: bool = False) -> None:
-        """Returns once a line of `tokens` prompt tokens may enter the engine (at once unless pacing)."""
-        if not self.paces(ramp=ramp):
-            return
-        async with self._turn:
-            while (self.active or ramp) and not self._fits(
-                tokens, self.budget() if self.active else self.ramp_budget()
-            ):
-                self.waited += 1
-                self._refilled.clear()
-                try:
-                    await asyncio.wait_for(self._refilled.wait(), timeout=self._refill_after())
-                except TimeoutError:
-                    self._refill(self._pacing_now())
-            if self.active or ramp:
-                self._allowance -= tokens
-                self.handed += tokens
+    def take(self, tokens: int, *, ramp: bool = False) -> None:
+        """The line that fits enters: its tokens count against this step's budget."""
+        if self._pacing(ramp):
+            self._allowance -= tokens
+            self.handed += tokens
+
+    async def opened(self) -> None:
+        """Returns at the next refill: the next step the engine reports, or, with none for about two steps (an idle
+        engine reports none), on its own."""
+        self.waited += 1
+        refilled_at = self._refilled_at
+        self._refilled.clear()
+        try:
+            await asyncio.wait_for(self._refilled.wait(), timeout=self._refill_after())
+        except TimeoutError:
+            if self._refilled_at == refilled_at:  # one refill for every line that waited for it
+                self._refill(self._pacing_now())
+
+    def _pacing(self, ramp: bool) -> bool:
+        # A target of 0 turns the live protections off, a first wave's pace with them.
+        return self.ttft_target_seconds > 0 and (self.active or ramp)
 
     def _pacing_now(self) -> int:
         """The budget in force: the live one, or a first wave's while no live traffic is about."""
@@ -210,12 +218,11 @@ class PrefillPacer:
         self._refilled_at = self._now()
         self._refilled.set()
 
-    def answered(self, estimated: int, usage: dict | None) -> None:
-        """A line handed over with `estimated` tokens has its answer, whose `usage` corrects the estimate."""
+    def answered(self, body: dict, usage: dict | None) -> None:
+        """A line has its answer, whose `usage` (prompt tokens less the cached ones) corrects the estimate."""
         prompt = (usage or {}).get("prompt_tokens")
-        if not isinstance(prompt, int) or prompt <= 0 or estimated <= 0:
+        if not isinstance(prompt, int) or prompt <= 0:
             return
         cached = ((usage or {}).get("prompt_tokens_details") or {}).get("cached_tokens") or 0
         computed = max(1, prompt - (cached if isinstance(cached, int) else 0))
-        own_ratio = computed / (estimated / self.ratio)
-        self.ratio += CALIBRATION_WEIGHT * (own_ratio - self.ratio)
+        self.ratio += CALIBRATION_WEIGHT * (computed / estimated_tokens(body) - self.ratio)
