@@ -14,6 +14,7 @@ from app.core.config import Settings
 from app.launch import (
     add_service_options,
     check_binding,
+    check_fleet,
     engine_factory_from,
     options_first,
     prepare_engine_args,
@@ -58,6 +59,7 @@ def api(argv: list[str]) -> None:
     args = api_parser().parse_args(argv)
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
+    check_fleet(settings, "api")
     _run_app(create_app(settings, WorkersView(), Role.API), settings)
 
 

@@ -71,7 +71,10 @@ class Replica:
         self.app, settings = build(argv)
         listening = bound_socket(settings.host)
         port = listening.getsockname()[1]
-        self.app.state.engine.advertise(base_url(settings.host, port, wildcard_name=ray.util.get_node_ip_address()))
+        wildcard_name = ray.util.get_node_ip_address()
+        self.app.state.engine.advertise(
+            base_url(settings.host, port, wildcard_name=wildcard_name, scheme=settings.scheme)
+        )
         self.server = uvicorn.Server(uvicorn.Config(self.app, **{**server_options(settings), "port": port}))
         # Ray kills a stopped or lost actor's process outright: the reaper ends the engine it started.
         self.ending = ExitStack()
@@ -330,7 +333,7 @@ def main(argv: list[str]) -> None:
         return
     import ray
 
-    from app.launch import parse_service_args
+    from app.launch import check_fleet, parse_service_args
 
     if argv[:1] == ["scale"]:
         _scale(argv[1:])
@@ -338,6 +341,7 @@ def main(argv: list[str]) -> None:
     options, specs = parse_pools(argv)
     for spec in specs:  # a bad argument fails here, not in every replica Ray restarts
         parse_service_args(spec.engine_args, "worker")
+    check_fleet(Settings(), "worker")  # as is a missing fleet secret, which every replica needs
     if options.data_dir:
         os.environ["VBATCH_DATA_DIR"] = options.data_dir
     ray.init(address=options.ray_address, namespace=NAMESPACE, logging_level=logging.WARNING)

@@ -30,6 +30,9 @@ def server_options(settings: Settings) -> dict:
     protocol = guarded_protocol(
         header_timeout=settings.header_timeout_seconds, max_per_client=settings.max_connections_per_client
     )
+    tls = (
+        {"ssl_certfile": settings.tls_cert_file, "ssl_keyfile": settings.tls_key_file} if settings.tls_cert_file else {}
+    )
     return {
         "host": settings.host,
         "port": settings.port,
@@ -39,6 +42,7 @@ def server_options(settings: Settings) -> dict:
         # uvicorn's lines go through vbatch's logging (text or JSON); each request is logged once, by the app.
         "log_config": None,
         "access_log": False,
+        **tls,
     }
 
 
@@ -50,6 +54,7 @@ def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings
     args = parse_service_args(argv, role)
     settings = settings_from(args)
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
+    check_fleet(settings, role)
     prepare_engine_args(argv, args, settings)
     factory = engine_factory_from(args, lora_dir(settings))
     service = EngineService(factory, models=announced_models(args), adapters=announced_adapters(args))
@@ -163,6 +168,24 @@ def check_binding(settings: Settings, *, insecure_no_auth: bool) -> None:
             settings.host,
             f" and {settings.allowed_hosts}" if settings.allowed_hosts else " (VBATCH_ALLOWED_HOSTS adds others)",
         )
+
+
+def check_fleet(settings: Settings, role: str) -> None:
+    """`vbatch api` and `vbatch worker` stop at once, with one line, without a usable fleet secret."""
+    if role == "serve":
+        return
+    try:
+        fleet = settings.fleet_key()
+    except ValueError as exc:
+        log.error("%s", exc)
+        sys.exit(2)
+    if fleet is None:
+        log.error(
+            "vbatch %s needs VBATCH_FLEET_SECRET (or VBATCH_FLEET_SECRET_FILE), the same on every API replica and "
+            "worker (e.g. `openssl rand -hex 32`); see the README's 'Beyond one machine'",
+            role,
+        )
+        sys.exit(2)
 
 
 def prepare_engine_args(argv: list[str], args: argparse.Namespace, settings: Settings) -> None:

@@ -33,11 +33,14 @@ from app.core.auth import KeyRing, key_settings
 from app.core.config import Settings
 from app.core.db import Claim, claim_database, make_engine
 from app.core.disk import DiskReserve
+from app.core.fleet import FleetKey, FleetSecretMissing
 from app.core.ids import new_id
 from app.core.migrate import upgrade_to_head
 from app.core.storage import Storage, keep_private
 from app.core.stores import open_storage
 from app.domain import batches, retention
+from app.domain.adapters import RecentMisses
+from app.domain.estimate_slots import EstimateSlots
 from app.domain.ratelimits import RateLimiter
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
 from app.engine.metrics import Metrics, State
@@ -69,15 +72,30 @@ def create_app(settings: Settings, engine: EngineView, role: Role = Role.SERVE) 
     )
     app.state.settings = settings
     app.state.keys = KeyRing(settings.read_api_keys())
+    app.state.fleet = _fleet_key(settings, role)
     app.state.online_limits = _online_limits(settings, role)
+    app.state.unknown_models = RecentMisses()
+    app.state.estimate_slots = EstimateSlots(per_key=settings.max_estimates_per_key, in_all=settings.max_estimates)
     app.state.engine = engine
     app.state.metrics = Metrics()
     app.state.metrics.watch(lambda: metrics_state(app.state.db, engine, app.state.storage.reserve))
-    _add_middleware(app, settings)
+    _add_middleware(app, settings, role)
     install_error_handlers(app)
     document_errors(app)
     _include_routes(app, role)
     return app
+
+
+def _fleet_key(settings: Settings, role: Role) -> FleetKey | None:
+    """The fleet's key: replicas and workers, which trust each other by it, start only with one."""
+    fleet = settings.fleet_key()
+    if fleet is None and role != Role.SERVE:
+        raise FleetSecretMissing(
+            f"vbatch {role} needs VBATCH_FLEET_SECRET (or VBATCH_FLEET_SECRET_FILE), the same on every API replica "
+            "and worker: workers prove where they answer with it and replicas sign the tenant of each request they "
+            "forward with it (e.g. `openssl rand -hex 32`)"
+        )
+    return fleet
 
 
 def _online_limits(settings: Settings, role: Role) -> RateLimiter:
@@ -144,12 +162,14 @@ def _close_database(claim: Claim, db: Engine) -> None:
     db.dispose()
 
 
-def _add_middleware(app: FastAPI, settings: Settings) -> None:
-    """The guard, inside the request log (added last, so outermost): its refusals are logged and carry ids too."""
+def _add_middleware(app: FastAPI, settings: Settings, role: Role) -> None:
+    """The guard, inside the request log (added last, so outermost): its refusals are logged and carry ids too. Only a
+    worker takes requests the fleet forwarded, on the fleet's signature instead of a key."""
     keys: KeyRing = app.state.keys
     app.add_middleware(
         RequestGuard,
         keys=keys,
+        fleet=app.state.fleet if role == Role.WORKER else None,
         hosts=HostRule.of_service(listed=settings.allowed_hosts, served_on=settings.host, keys=keys.enabled),
         max_json_bytes=settings.max_json_body_bytes,
         body_grace=settings.header_timeout_seconds,
@@ -173,8 +193,8 @@ def _include_routes(app: FastAPI, role: Role) -> None:
 
 class RequestLog:
     """One access record per request, under the client's `x-request-id` when it sent a sane one (echoed back), else
-    a new one; meanwhile the id and the caller's key are the request's `app.core.calls.Call`, which `vbatch api`
-    passes on to the worker it forwards an online request to. An exception no handler took is logged here, once
+    a new one; meanwhile the id is the request's `app.core.calls.Call`, which `vbatch api` passes on to the worker it
+    forwards an online request to. An exception no handler took is logged here, once
     with its traceback, and answered with the 500 envelope: it goes no further, where Starlette and uvicorn would
     log it again (and this record would be lost)."""
 
@@ -199,7 +219,7 @@ class RequestLog:
             await send(message)
 
         try:
-            with calls.answering(calls.Call(request_id, request.headers.get("authorization"))):
+            with calls.answering(calls.Call(request_id)):
                 await self.app(scope, receive, send_with_id)
         except Exception as exc:
             log_unexpected(request.method, request.url.path, exc)

@@ -702,7 +702,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     from app.core.config import Settings
     from app.engine.service import EngineService
     from app.engine.view import EngineView, WorkersView
-    from app.launch import server_options
+    from app.launch import check_fleet, server_options
     from app.main import Role, create_app
 
     parser = argparse.ArgumentParser(prog="python -m app.testing")
@@ -712,6 +712,7 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     settings = Settings(data_dir=args.data_dir, port=args.port)
     logs.configure(settings.log_format)
+    check_fleet(settings, args.role)
     engine: EngineView = WorkersView() if args.role == Role.API else EngineService(FakeEngine())
     uvicorn.run(create_app(settings, engine, args.role), **server_options(settings))
 

@@ -54,7 +54,9 @@ def test_each_endpoint_answers_with_the_engines_json(online, double, caplog):
     for endpoint in ONLINE_ENDPOINTS:
         response = online.post(endpoint, json=BODIES[endpoint], headers={"x-request-id": f"req-{endpoint[4:7]}"})
         assert response.status_code == 200, response.text
-        assert response.json() == answer_for(endpoint, double.usage)
+        # As the engine answered, with the tier it was served on where OpenAI's answers say it.
+        tier = {"service_tier": "default"} if endpoint in ("/v1/chat/completions", "/v1/responses") else {}
+        assert response.json() == {**answer_for(endpoint, double.usage), **tier}
         assert response.headers["x-request-id"] == f"req-{endpoint[4:7]}"
         assert double.calls[-1] == (endpoint, BODIES[endpoint])
     assert not any(name.startswith("x-ratelimit") for name in response.headers)  # no limits set
@@ -63,14 +65,37 @@ def test_each_endpoint_answers_with_the_engines_json(online, double, caplog):
     assert ("/v1/responses", 200, "req-res") in logged
 
 
-def test_a_stream_passes_through_byte_for_byte_as_event_stream(online, double):
+def _events(stream: bytes) -> list[dict | str]:
+    """Each event's data, parsed (`[DONE]` as it is)."""
+    lines = [event.removeprefix(b"data: ") for event in stream.split(b"\n\n") if event]
+    return [json.loads(line) if line != b"[DONE]" else "[DONE]" for line in lines]
+
+
+def test_a_stream_passes_through_as_event_stream_in_openais_words(online, double):
+    """Every chunk as the engine sent it, with the tier it was served on; the usage chunk vbatch asks of the engine
+    (to charge what a stream generated) is left out for a client that did not ask for it, as OpenAI leaves it out."""
     double.events = [*CHAT_EVENTS[:-1], usage_chunk({"prompt_tokens": 5, "completion_tokens": 3}), DONE]
-    with online.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
+    with online.stream(
+        "POST", "/v1/chat/completions", json={**CHAT, "stream": True, "service_tier": "flex"}
+    ) as response:
         assert response.status_code == 200
         assert response.headers["content-type"] == "text/event-stream; charset=utf-8"
-        received = b"".join(response.iter_bytes())
-    assert received == b"".join(double.events)
+        received = _events(b"".join(response.iter_bytes()))
+    sent = _events(b"".join(CHAT_EVENTS[:-1]))
+    assert received == [{**event, "service_tier": "flex"} for event in sent] + ["[DONE]"]  # type: ignore[dict-item]
     assert double.closed.is_set()
+
+
+def test_a_stream_that_asks_its_usage_has_a_null_usage_on_each_chunk_before_it(online, double):
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    double.events = [*CHAT_EVENTS[:-1], usage_chunk(usage), DONE]
+    body = {**CHAT, "stream": True, "stream_options": {"include_usage": True}}
+    with online.stream("POST", "/v1/chat/completions", json=body) as response:
+        received = _events(b"".join(response.iter_bytes()))
+    *chunks, last, done = received
+    assert done == "[DONE]" and len(chunks) == len(CHAT_EVENTS) - 1
+    assert all(isinstance(c, dict) and c["usage"] is None and c["service_tier"] == "default" for c in chunks)
+    assert isinstance(last, dict) and last["usage"] == usage and last["choices"] == []
 
 
 def test_an_unknown_model_is_openais_404(online, double):
@@ -166,7 +191,8 @@ def test_a_worker_answers_online_requests_and_an_api_replica_says_when_no_worker
     worker_engine.respond = double.respond  # type: ignore[method-assign]
     with TestClient(create_app(settings, worker_engine, Role.WORKER)) as worker:
         wait_for(lambda: worker.get("/v1/models").json()["data"])
-        assert worker.post("/v1/chat/completions", json=CHAT).json() == answer_for("/v1/chat/completions", USAGE)
+        answered = worker.post("/v1/chat/completions", json=CHAT).json()
+        assert answered == {**answer_for("/v1/chat/completions", USAGE), "service_tier": "default"}
     workers, nobody = WorkersView(), OnlineDouble()
     nobody.unavailable = "down"  # what the forwarder says with no worker to ask
     workers.respond = nobody.respond  # type: ignore[method-assign]
@@ -349,10 +375,10 @@ def test_streams_and_refusals_carry_the_headers_and_a_key_out_of_requests_still_
     with alice.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as response:
         assert response.headers["x-ratelimit-remaining-requests"] == "2"
         b"".join(response.iter_bytes())
+    # A name that is no model counts as a request: naming one again and again does not slip past the limit.
     unknown = alice.post("/v1/chat/completions", json={**CHAT, "model": "gpt-4o"})
-    assert unknown.status_code == 404 and unknown.headers["x-ratelimit-remaining-requests"] == "2"
-    for _ in range(2):
-        assert alice.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert unknown.status_code == 404 and unknown.headers["x-ratelimit-remaining-requests"] == "1"
+    assert alice.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert alice.post("/v1/chat/completions", json=CHAT).status_code == 429
     batch = create_batch(alice, upload(alice, jsonl([request_line(f"r{i}") for i in range(5)]))["id"])
     assert wait_status(alice, batch["id"], FINAL)["request_counts"] == {"total": 5, "completed": 5, "failed": 0}

@@ -19,7 +19,7 @@ from fastapi.testclient import TestClient
 
 from app.core.config import Settings
 from app.domain.errors import InvalidRequest
-from app.domain.online import BATCH_PRIORITY, EngineUnavailable, OnlineAnswer
+from app.domain.online import BATCH_PRIORITY, EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.engine import online
 from app.engine.service import EngineService
 from app.main import create_app
@@ -27,6 +27,10 @@ from app.testing import FAKE_MODEL, FakeEngine, FakeServing
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 CHAT = "/v1/chat/completions"
+
+
+def asked(body: dict, endpoint: str = CHAT) -> OnlineRequest:
+    return OnlineRequest.of(endpoint, body)
 
 
 def chat(content: str = "hello", **fields) -> dict:
@@ -72,15 +76,15 @@ def data_of(events: list[bytes]) -> list[str]:
 def test_a_json_answer_comes_back_on_the_callers_loop_with_the_tiers_priority(settings):
     engine = FakeEngine()
     with running(settings, engine) as (service, _):
-        answer = on_a_loop(lambda: service.respond(CHAT, chat(service_tier="priority")))
+        answer = on_a_loop(lambda: service.respond(asked(chat(service_tier="priority"))))
         assert isinstance(answer, OnlineAnswer) and answer.status == 200 and answer.events is None
         assert answer.body["object"] == "chat.completion"
         assert answer.body["choices"][0]["message"]["content"] == "ok"
-        refused = on_a_loop(lambda: service.respond(CHAT, chat(max_tokens=-1)))
+        refused = on_a_loop(lambda: service.respond(asked(chat(max_tokens=-1))))
         assert refused.status == 400 and refused.body["error"]["param"] == "max_tokens"
-        on_a_loop(lambda: service.respond(CHAT, chat("flex", service_tier="flex")))
+        on_a_loop(lambda: service.respond(asked(chat("flex", service_tier="flex"))))
         with pytest.raises(InvalidRequest):  # refused on the caller's loop: the engine never sees it
-            on_a_loop(lambda: service.respond(CHAT, chat(service_tier="urgent")))
+            on_a_loop(lambda: service.respond(asked(chat(service_tier="urgent"))))
     sent = engine.executor.bodies
     assert [body["priority"] for body in sent] == [-1, 0, BATCH_PRIORITY]
     assert all("service_tier" not in body for body in sent)
@@ -91,7 +95,7 @@ def test_a_stream_comes_back_as_vllms_server_sent_events(settings):
     with running(settings, engine) as (service, _):
 
         async def scenario() -> tuple[OnlineAnswer, list[bytes]]:
-            answer = await service.respond(CHAT, chat(stream=True, stream_options={"include_usage": True}))
+            answer = await service.respond(asked(chat(stream=True, stream_options={"include_usage": True})))
             return answer, await read_all(answer)
 
         answer, events = on_a_loop(scenario)
@@ -113,7 +117,7 @@ def test_a_stream_closed_early_is_aborted_in_the_engine(settings):
     with running(settings, engine) as (service, _):
 
         async def scenario() -> bytes:
-            answer = await service.respond(CHAT, chat("going away", stream=True))
+            answer = await service.respond(asked(chat("going away", stream=True)))
             assert answer.events is not None
             first = await anext(answer.events)
             await answer.events.aclose()  # type: ignore[attr-defined]
@@ -131,7 +135,7 @@ def test_a_caller_that_goes_away_before_the_answer_aborts_the_request(settings):
     with running(settings, engine) as (service, _):
 
         async def scenario() -> None:
-            waiting = asyncio.ensure_future(service.respond(CHAT, chat("impatient")))
+            waiting = asyncio.ensure_future(service.respond(asked(chat("impatient"))))
             await until(lambda: engine.executor.calls == 1)
             waiting.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -148,7 +152,7 @@ def test_a_slow_reader_holds_the_stream_back_in_the_engine_not_in_a_queue(settin
     with running(settings, engine) as (service, _):
 
         async def scenario() -> list[bytes]:
-            answer = await service.respond(CHAT, chat(stream=True, max_tokens=length))
+            answer = await service.respond(asked(chat(stream=True, max_tokens=length)))
             assert answer.events is not None
             first = await anext(answer.events)
             # The engine side sends STREAM_ROOM chunks, then holds the next one it read until room is made.
@@ -160,20 +164,23 @@ def test_a_slow_reader_holds_the_stream_back_in_the_engine_not_in_a_queue(settin
 
         events = on_a_loop(scenario)
     payloads = data_of(events)
-    deltas = [json.loads(p)["choices"][0]["delta"].get("content", "") for p in payloads[:-1]]
+    # The engine's own events: its last chunk is the usage vbatch asks of it for every stream (`as_online`).
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    deltas = [chunk["choices"][0]["delta"].get("content", "") for chunk in chunks if chunk["choices"]]
     assert "".join(deltas) == ("ok" * length)[:length] and payloads[-1] == "[DONE]"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
 
 
 def test_an_engine_death_fails_a_json_request_and_ends_a_started_stream_with_an_error_event(settings):
     engine = FakeEngine()
     with running(settings, engine) as (service, _):
         with pytest.raises(EngineUnavailable) as refused:
-            on_a_loop(lambda: service.respond(CHAT, chat(seed=1)))
+            on_a_loop(lambda: service.respond(asked(chat(seed=1))))
         assert refused.value.code == "engine_unavailable"
 
         async def scenario() -> list[bytes]:
             await until(lambda: service.state == "ok")  # the loop restarts the engine that died
-            return await read_all(await service.respond(CHAT, chat(stream=True, stream_dies=True)))
+            return await read_all(await service.respond(asked(chat(stream=True, stream_dies=True))))
 
         events = on_a_loop(scenario)
     payloads = data_of(events)
@@ -196,12 +203,12 @@ def test_no_engine_no_answer_while_it_starts_or_after_it_stopped(settings):
     service = EngineService(slow_start)
     with TestClient(create_app(settings, service)):
         with pytest.raises(EngineUnavailable, match="starting"):
-            on_a_loop(lambda: service.respond(CHAT, chat()))
+            on_a_loop(lambda: service.respond(asked(chat())))
         release.set()
         wait_for(lambda: service.state == "ok")
-        assert on_a_loop(lambda: service.respond(CHAT, chat())).status == 200
+        assert on_a_loop(lambda: service.respond(asked(chat()))).status == 200
     with pytest.raises(EngineUnavailable, match="stopped"):
-        on_a_loop(lambda: service.respond(CHAT, chat()))
+        on_a_loop(lambda: service.respond(asked(chat())))
 
 
 def test_a_stream_open_when_the_service_stops_ends_rather_than_hangs(settings):
@@ -209,14 +216,14 @@ def test_a_stream_open_when_the_service_stops_ends_rather_than_hangs(settings):
     engine.executor.hold_streams = True
     with running(settings, engine) as (service, _):
         loop = asyncio.new_event_loop()
-        answer = loop.run_until_complete(service.respond(CHAT, chat(stream=True)))
+        answer = loop.run_until_complete(service.respond(asked(chat(stream=True))))
         assert answer.events is not None
         first = loop.run_until_complete(anext(answer.events))
     # The service has stopped with the stream held open in the engine: what is left of it comes, then its end.
     rest = loop.run_until_complete(asyncio.wait_for(read_all(answer), 20))
     loop.close()
     assert json.loads(data_of([first])[0])["choices"][0]["delta"]["role"] == "assistant"
-    assert json.loads(data_of(rest)[-1])["error"]["code"] == 503
+    assert json.loads(data_of(rest)[-1])["error"]["type"] == "server_error"  # OpenAI's word for a 503
     assert len(engine.executor.aborted) == 1
 
 
@@ -232,10 +239,10 @@ def test_online_requests_reach_the_engine_before_queued_batch_lines(settings):
         wait_for(lambda: engine.executor.calls == 2)
 
         async def scenario() -> OnlineAnswer:
-            asked = asyncio.ensure_future(service.respond(CHAT, chat("online")))
+            online_call = asyncio.ensure_future(service.respond(asked(chat("online"))))
             await until(lambda: engine.executor.calls == 3)
             engine.executor.open_gate()
-            return await asked
+            return await online_call
 
         assert on_a_loop(scenario).status == 200
         done = wait_status(client, batch["id"], {"completed"})
@@ -276,8 +283,8 @@ def test_the_batch_window_hears_of_online_traffic_on_the_engine_loop(settings):
         for kind in ("online_arrived", "online_first_token", "online_done"):
             setattr(window, kind, hearing(kind))
         service._ctx.window = window  # type: ignore[union-attr]
-        on_a_loop(lambda: service.respond(CHAT, chat()))
-        on_a_loop(lambda: read_all_of(service.respond(CHAT, chat(stream=True))))
+        on_a_loop(lambda: service.respond(asked(chat())))
+        on_a_loop(lambda: read_all_of(service.respond(asked(chat(stream=True)))))
     assert [kind for kind, _, _ in heard] == ["online_arrived", "online_first_token", "online_done"] * 2
     assert {thread for _, _, thread in heard} == {"vbatch-engine"}
     assert all(isinstance(seconds, float) and 0 <= seconds < 20 for _, seconds, _ in heard if seconds is not None)
@@ -296,9 +303,9 @@ def test_a_workers_beat_counts_the_online_requests_its_engine_is_answering(setti
 
         async def scenario() -> list[int]:
             counts = [service.worker_state().online_in_flight]
-            held = [await service.respond(CHAT, chat(f"held {n}", stream=True)) for n in range(2)]
+            held = [await service.respond(asked(chat(f"held {n}", stream=True))) for n in range(2)]
             counts.append(service.worker_state().online_in_flight)
-            await service.respond(CHAT, chat("answered at once"))
+            await service.respond(asked(chat("answered at once")))
             await until(lambda: service.worker_state().online_in_flight == 2)  # its task ends just after its answer
             await held[0].events.aclose()  # type: ignore[union-attr]
             await until(lambda: service.worker_state().online_in_flight == 1)

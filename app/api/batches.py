@@ -6,7 +6,7 @@ from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from app.api.deps import DbDep, EngineDep, OwnerDep, SettingsDep, StorageDep
+from app.api.deps import DbDep, EngineDep, EstimateSlotsDep, OwnerDep, SettingsDep, StorageDep
 from app.domain import batches, retry
 from app.domain.partial_output import Kind, open_partial
 from app.domain.schemas import (
@@ -54,14 +54,21 @@ def create_batch(
         "the same model and endpoint (`basis` says which; null where there are none). A file that would fail "
         "validation gets validation's errors, with line numbers, in `errors`. Not part of OpenAI's API."
     ),
-    responses={404: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
+    responses={404: {"model": ErrorResponse}, 429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}},
 )
 async def estimate_batch(
-    body: CreateBatchRequest, db: DbDep, settings: SettingsDep, storage: StorageDep, engine: EngineDep, owner: OwnerDep
+    body: CreateBatchRequest,
+    db: DbDep,
+    settings: SettingsDep,
+    storage: StorageDep,
+    engine: EngineDep,
+    owner: OwnerDep,
+    slots: EstimateSlotsDep,
 ) -> BatchEstimate:
-    return await estimating.estimate(
-        db=db, storage=storage, settings=settings, engine=engine, request=body, owner=owner
-    )
+    with slots.taken(owner):
+        return await estimating.estimate(
+            db=db, storage=storage, settings=settings, engine=engine, request=body, owner=owner
+        )
 
 
 @router.get("/estimate", include_in_schema=False, response_model=None)

@@ -17,9 +17,9 @@ class ClientGone(Exception):
     """The client left before its request's body had come."""
 
 
-async def json_object(request: Request, most_bytes: int) -> dict:
-    """The body as a JSON object, or vLLM's 400 for what its request models would refuse (FastAPI's rules: JSON
-    only under a JSON content type); 413 past `most_bytes`."""
+async def json_object(request: Request, most_bytes: int) -> tuple[bytes, dict]:
+    """The body as sent and as a JSON object, or vLLM's 400 for what its request models would refuse (FastAPI's
+    rules: JSON only under a JSON content type); 413 past `most_bytes`."""
     raw = await _body(request, most_bytes)
     if not _json_content_type(request.headers.get("content-type")):
         raise _not_an_object(f"<bytes of {len(raw)} bytes>")
@@ -33,7 +33,7 @@ async def json_object(request: Request, most_bytes: int) -> dict:
         raise engine_validation_error({"type": "missing", "loc": "body", "msg": "Field required", "input": "None"})
     if not isinstance(body, dict):
         raise _not_an_object(_summary(body))
-    return body
+    return raw, body
 
 
 async def _body(request: Request, most_bytes: int) -> bytes:

@@ -15,7 +15,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from app.core.db import unavailable_reason
 from app.core.disk import DiskFull, is_disk_full
 from app.core.errors import DomainError, Unauthenticated
-from app.domain.errors import Conflict, InvalidRequest, ModelNotServed, NotFound, TooManyActive
+from app.domain.errors import (
+    Conflict,
+    InvalidRequest,
+    ModelNotServed,
+    NotFound,
+    TooManyActive,
+    TooManyEstimates,
+)
 from app.domain.online import EngineUnavailable, error_event
 from app.domain.openai_errors import missing_parameter, unrecognized_argument
 from app.domain.ratelimits import RateLimited
@@ -62,6 +69,8 @@ def from_domain(exc: DomainError) -> APIError:
         return APIError(503, exc.message, type="server_error", param=exc.param, code=exc.code, headers=headers)
     if isinstance(exc, Unauthenticated):
         return APIError(401, exc.message, param=exc.param, code=exc.code)
+    if isinstance(exc, TooManyEstimates):
+        return APIError(429, exc.message, code=exc.code, headers={"retry-after": str(exc.retry_after_seconds)})
     if isinstance(exc, TooManyActive):
         # OpenAI's SDKs retry a 429 at once unless told that waiting is what helps.
         headers = {"retry-after": str(exc.retry_after_seconds), "x-should-retry": "false"}

@@ -25,9 +25,11 @@ from app.api.errors import APIError, from_domain, respond
 from app.api.streams import EventStream, MeasuredEvents, unless_client_leaves
 from app.core.errors import DomainError
 from app.core.lora_dir import LoraDir, lora_dir
+from app.domain.adapters import RecentMisses
+from app.domain.answers import AnswerWording
 from app.domain.cost import weighed_tokens
 from app.domain.errors import ModelNotServed
-from app.domain.online import ONLINE_ENDPOINTS, OnlineAnswer, online_priority
+from app.domain.online import ONLINE_ENDPOINTS, OnlineAnswer, OnlineRequest, check_choices, online_priority
 from app.domain.ratelimits import (
     Admission,
     Quota,
@@ -69,7 +71,10 @@ class OnlineCall:
         # This process's engine's time (None where no engine runs: a `vbatch api` replica; its worker charges it).
         self.engine_time: EngineTime | None = state.metrics.engine_time
         self.most_bytes: int = state.settings.max_json_body_bytes
+        self.most_choices: int = state.settings.max_choices_per_request
         self.found_adapters = lora_dir(state.settings)
+        self.unknown_models: RecentMisses = state.unknown_models
+        self.wording = AnswerWording(endpoint, None, usage_asked=False)
         self.key = key_label(owner)
         self.model = UNKNOWN_MODEL
         self.started = time.perf_counter()
@@ -77,41 +82,47 @@ class OnlineCall:
 
     async def answer(self) -> Response:
         try:
-            body = await json_object(self.request, self.most_bytes)
-            # An API replica reads the served models from the workers' beats in the database: off the loop.
-            served = await asyncio.to_thread(_served_models, self.engine, body.get("model"), self.found_adapters)
-            self.model = self._served_model(body, served)
+            raw, body = await json_object(self.request, self.most_bytes)
+            self.wording = AnswerWording.of(self.endpoint, body)
             online_priority(body)  # an unknown service_tier is refused before anything is charged
+            check_choices(body, self.most_choices)
+            # Charged before the model is looked up: a name that is no model costs the key as any request does.
             self.admission = self.limiter.admit(
-                self.owner, tokens=estimated_tokens(self.endpoint, body), model=self.model
+                self.owner, tokens=estimated_tokens(self.endpoint, body), model=_named_model(body)
             )
+            self.model = await self._served_model(body)
             sent = time.perf_counter()
-            answer = await unless_client_leaves(self.engine.respond(self.endpoint, body), self.request)
+            online = OnlineRequest(self.endpoint, body, raw, self.owner)
+            answer = await unless_client_leaves(self.engine.respond(online), self.request)
             if answer is None and self.engine_time is not None:  # its engine request aborted: it pays by its time
                 self.engine_time.timed(self.payer, time.perf_counter() - sent, answered=False)
         except (APIError, DomainError) as exc:
             return self._refused(exc)
         except ClientGone:
             answer = None
-        if answer is None:
+        if answer is None:  # what it was charged stands: the engine may have worked on it until the client left
             self.metrics.answered(key=self.key, model=self.model, endpoint=self.endpoint, status=CLIENT_GONE)
             return Response(status_code=CLIENT_GONE)
         self.metrics.answered(key=self.key, model=self.model, endpoint=self.endpoint, status=answer.status)
         if answer.events is not None:
             quota = self.admission.quota if self.admission is not None else Quota()
-            events = MeasuredEvents(answer.events, self)
+            events = MeasuredEvents(answer.events, self, self.wording)
             return EventStream(events, status_code=answer.status, headers=limit_headers(quota))
         return self._json(answer)
 
-    def _served_model(self, body: dict, served: list[str]) -> str:
+    async def _served_model(self, body: dict) -> str:
         """The model the request names, refused unless it is served (none named: the engine's first). While no
-        engine serves yet, the engine's own answer says so."""
+        engine serves yet, the engine's own answer says so. A name found to be no model is remembered a while."""
         model = body.get("model")
+        lookup = self.found_adapters if isinstance(model, str) and model not in self.unknown_models else None
+        # An API replica reads the served models from the workers' beats in the database: off the loop.
+        served = await asyncio.to_thread(_served_models, self.engine, model, lookup)
         if model is None or model == "":
             return served[0] if served else UNKNOWN_MODEL
         if not isinstance(model, str) or not served:
             return UNKNOWN_MODEL  # the engine's own answer refuses it, or says that no engine serves yet
         if model not in served:
+            self.unknown_models.add(model)
             raise ModelNotServed(model)
         return model
 
@@ -121,7 +132,8 @@ class OnlineCall:
         # An error answer carries no usage: nothing was generated, so nothing is charged but the request itself.
         quota = self.settle(0 if used is None and answer.status >= 400 else used)
         self.ended(output_tokens(usage) or 0, usage)
-        return EngineJSON(answer.body, status_code=answer.status, headers=limit_headers(quota))
+        body = self.wording.body(answer.body) if isinstance(answer.body, dict) else answer.body
+        return EngineJSON(body, status_code=answer.status, headers=limit_headers(quota))
 
     def _refused(self, exc: APIError | DomainError) -> Response:
         error = exc if isinstance(exc, APIError) else from_domain(exc)
@@ -150,6 +162,12 @@ class OnlineCall:
     @property
     def payer(self) -> Payer:
         return Payer(LIVE, self.key, self.model)
+
+
+def _named_model(body: dict) -> str:
+    """The model a body names, as a rate limit's message shows it (before it is known to be one)."""
+    model = body.get("model")
+    return model[:256] if isinstance(model, str) and model else UNKNOWN_MODEL
 
 
 def _served_models(engine: EngineView, model: object, found_adapters: LoraDir | None) -> list[str]:

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.api.errors import log_unexpected, stream_error_event
+from app.domain.answers import AnswerWording
 from app.domain.online import OnlineAnswer
 from app.domain.ratelimits import Quota, output_tokens, used_tokens
 from app.engine.metrics import OnlineMetrics
@@ -41,13 +42,15 @@ class MeteredCall(Protocol):
 
 
 class MeasuredEvents:
-    """The engine's events as they pass to the client, timed: the first that carries output is the first token,
-    the time between two such is an inter-token latency. Closing it closes the engine's events (the engine aborts
+    """The engine's events as they pass to the client, timed (the first that carries output is the first token, the
+    time between two such is an inter-token latency), its usage kept to settle the key's charge, and worded as
+    OpenAI's (`app.domain.answers`). Closing it closes the engine's events (the engine aborts
     the request); an engine that fails mid-stream ends it with vLLM's error event, never a cut."""
 
-    def __init__(self, events: AsyncIterator[bytes], call: MeteredCall) -> None:
+    def __init__(self, events: AsyncIterator[bytes], call: MeteredCall, wording: AnswerWording) -> None:
         self._events = events
         self._call = call
+        self._wording = wording
         self._mark = OUTPUT_MARKS.get(call.endpoint, b'"delta"')
         self._last_output: float | None = None
         self._outputs = 0
@@ -60,6 +63,13 @@ class MeasuredEvents:
         return self
 
     async def __anext__(self) -> bytes:
+        while True:
+            event = await self._next()
+            reworded = self._wording.events(event)
+            if reworded:  # else only a usage the client did not ask for: the next event goes instead
+                return reworded
+
+    async def _next(self) -> bytes:
         if self._tail:
             return self._tail.pop(0)
         if self._closed:

@@ -14,7 +14,7 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from starlette.types import Receive, Scope, Send
 
-from app.api.deps import DbDep, EngineDep, MetricsDep, SettingsDep, StorageDep
+from app.api.deps import DbDep, EngineDep, EstimateSlotsDep, MetricsDep, SettingsDep, StorageDep
 from app.api.errors import from_domain
 from app.api.system import health_status
 from app.api.uploads import store_upload
@@ -291,12 +291,16 @@ async def upload(
     db: DbDep,
     storage: StorageDep,
     engine: EngineDep,
+    slots: EstimateSlotsDep,
     endpoint: str = "/v1/chat/completions",
 ) -> Response:
-    """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists."""
-    row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
-    path = await storage.local_path(row.id)
-    report = await asyncio.to_thread(check_file, path, settings, endpoint, engine)
+    """Stores a batch file (the API's own upload path) and checks it line by line before any batch exists: whole-file
+    work, bounded as estimates are (`EstimateSlots`)."""
+    with slots.taken(session.owner):
+        row = await store_upload(request, storage=storage, settings=settings, db=db, owner=session.owner)
+        path = await storage.local_path(row.id)
+        report = await asyncio.to_thread(check_file, path, settings, endpoint, engine)
+        estimate = await _estimate(db, settings, engine, endpoint, row.id, path, report)
     problems = [error.model_dump() for error in report.errors]
     return JSONResponse(
         {
@@ -304,7 +308,7 @@ async def upload(
             "total": report.total,
             "error_count": report.error_count,
             "problems": problems,
-            "estimate": await _estimate(db, settings, engine, endpoint, row.id, path, report),
+            "estimate": estimate,
         }
     )
 

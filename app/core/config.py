@@ -6,11 +6,14 @@ import re
 import socket
 from functools import cached_property
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
-from pydantic import field_validator
+from pydantic import SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+if TYPE_CHECKING:
+    from app.core.fleet import FleetKey
 
 _WINDOW = re.compile(r"^(\d+)([smhd])$")
 _UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -26,12 +29,12 @@ def window_seconds(window: str) -> int:
     return int(match.group(1)) * _UNIT_SECONDS[match.group(2)]
 
 
-def base_url(host: str, port: int, *, wildcard_name: str | None = None) -> str:
+def base_url(host: str, port: int, *, wildcard_name: str | None = None, scheme: str = "http") -> str:
     """`http://host:port` for a server bound there, a wildcard address replaced by a name others reach it by
     (`wildcard_name`, else this machine's host name)."""
     if host in WILDCARD_HOSTS:
         host = wildcard_name or socket.gethostname()
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class Settings(BaseSettings):
@@ -91,6 +94,14 @@ class Settings(BaseSettings):
     live_prefill_tokens: int = 0
     # How often a running batch logs its progress (done/total, requests/s, output tokens/s, ETA).
     progress_log_seconds: float = 5.0
+    # Estimates (`POST /v1/batches/estimate`, the console's submit page) running at once, of one key and in all, in
+    # each process: each tokenizes and hashes a whole file, CPU work that slows every other request while it runs.
+    max_estimates_per_key: int = 1
+    max_estimates: int = 2
+    # The engine's prefix cache is each tenant's own (`app.domain.prefix_cache`): no key's request reuses, or can
+    # detect, another key's cached prompt blocks. True shares it across keys that trust each other: prompts that
+    # several keys send alike are then prefilled once.
+    shared_prefix_cache: bool = False
     # USD per GPU-hour of the engine's devices: with it, an estimate has its cost (`app.domain.estimates`), each
     # batch's progress has its cost (`app.domain.cost`) and /metrics counts cost beside GPU-seconds. Unset:
     # GPU-seconds only.
@@ -173,6 +184,20 @@ class Settings(BaseSettings):
     # A forwarded online request whose worker sends nothing for this long (a streamed answer between two events,
     # or a whole answer that is not streamed) ends with an error: the worker hangs, or is cut off.
     forward_silence_seconds: float = 600.0
+    # The secret `vbatch api` replicas and `vbatch worker`s share (`app.core.fleet`; at least 16 bytes, e.g.
+    # `openssl rand -hex 32`), or a file holding it: workers prove where they answer with it, replicas sign the caller's
+    # tenant on each request they forward with it. Both roles refuse to start without one; `vbatch serve` needs none.
+    fleet_secret: SecretStr | None = None
+    fleet_secret_file: Path | None = None
+    # Where replicas may forward online requests: worker URLs whose host is in one of these networks (CIDR) or is one
+    # of these names (comma-separated). Unset: any worker whose proof holds.
+    fleet_networks: str = ""
+    # Workers served over https (`VBATCH_ADVERTISE_URL=https://...`): the CA bundle a replica checks their
+    # certificates with (unset: the system's).
+    fleet_ca_file: Path | None = None
+    # Serve https with this certificate and key (PEM), in any role: a worker's link to the replicas, or the API itself.
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
 
     @field_validator("advertise_url")
     @classmethod
@@ -183,6 +208,12 @@ class Settings(BaseSettings):
         if parts.scheme not in ("http", "https") or not parts.hostname or parts.path.strip("/") or parts.query:
             raise ValueError(f"VBATCH_ADVERTISE_URL must be a base URL such as http://10.0.0.7:8001, not {value!r}")
         return value.rstrip("/")
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("VBATCH_TLS_CERT_FILE and VBATCH_TLS_KEY_FILE are set together, or neither")
+        return self
 
     @field_validator("completion_windows")
     @classmethod
@@ -220,7 +251,18 @@ class Settings(BaseSettings):
     @property
     def advertised_url(self) -> str:
         """Where this service answers, as workers announce it: `advertise_url`, or the host and port it listens on."""
-        return self.advertise_url or base_url(self.host, self.port)
+        return self.advertise_url or base_url(self.host, self.port, scheme=self.scheme)
+
+    @property
+    def scheme(self) -> str:
+        return "https" if self.tls_cert_file else "http"
+
+    def fleet_key(self) -> FleetKey | None:
+        """The key of the fleet's secret (None: none set); ValueError for an unreadable file or a secret too short."""
+        from app.core.fleet import FleetKey
+
+        secret = self.fleet_secret.get_secret_value() if self.fleet_secret else None
+        return FleetKey.from_settings(secret, self.fleet_secret_file)
 
     @property
     def database_path(self) -> Path:

@@ -38,7 +38,7 @@ class Context:
     # are fed a few adapters at a time (`app.engine.ordering.AdapterGate`).
     max_loras: int | None = None
     # The engine schedules by priority (`--scheduling-policy priority`, vbatch's default): batch lines then run
-    # behind online requests (`app.domain.online.as_batch_line`); under `fcfs` they keep the priority they have.
+    # behind online requests (`app.domain.online.batch_line_body`); under `fcfs` they keep the priority they have.
     batch_priority: bool = True
     # A batch of more lines than this is cut into shards other workers may claim (0: never; `app.engine.shards`).
     shard_lines: int = 0

@@ -27,7 +27,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-from app.domain.online import EngineUnavailable, OnlineAnswer, as_online, error_event
+from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest, as_online, error_event
 from app.domain.results import Body, EncodedBody
 from app.engine.bridge import EngineThread
 from app.engine.live import LiveEngine
@@ -152,6 +152,7 @@ class OnlineRequests:
         self._open: dict[int, tuple[concurrent.futures.Future, Handoff]] = {}
         self._ids = itertools.count()
         self._closed = False
+        self.shared_cache = False  # `VBATCH_SHARED_PREFIX_CACHE`, set as the service starts
 
     @property
     def in_flight(self) -> int:
@@ -174,15 +175,15 @@ class OnlineRequests:
             task.cancel()
             handoff.end(EngineDead("the engine service is stopping"))
 
-    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+    async def respond(self, request: OnlineRequest) -> OnlineAnswer:
         started = time.monotonic()
         engine_loop, state = self._bridge.loop, self._live.state
         if engine_loop is None or state != "ok":
             # An engine thread that has ended leaves its engine's last state behind.
             raise EngineUnavailable("stopped" if state == "ok" else state)
-        engine_body = as_online(body)
+        engine_body = as_online(request, shared_cache=self.shared_cache)
         handoff = Handoff(asyncio.get_running_loop(), engine_loop)
-        task = self._start(engine_loop, self._answer(endpoint, engine_body, handoff, started), handoff)
+        task = self._start(engine_loop, self._answer(request.endpoint, engine_body, handoff, started), handoff)
         try:
             first = await handoff.take()
         except BaseException:  # the caller went away (cancelled): so does the request

@@ -24,7 +24,7 @@ from app.domain.cost import weighed_tokens
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
 from app.domain.lifecycle import BatchStatus
-from app.domain.online import as_batch_line
+from app.domain.online import batch_line_body
 from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.context import Context
@@ -103,7 +103,9 @@ class BatchRun:
         self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.live.generated_tokens)
         self.last_log = time.monotonic()
-        self._engine_body = as_batch_line if ctx.batch_priority else None
+        self._engine_body = batch_line_body(
+            tenant=self.row.owner, by_priority=ctx.batch_priority, shared_cache=ctx.settings.shared_prefix_cache
+        )
         self.payer = Payer(BATCH, key_label(self.row.owner), self.row.model or "", self.row.id)
 
     def stats(self) -> RunStats | None:

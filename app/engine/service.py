@@ -22,13 +22,14 @@ from sqlalchemy.engine import Engine
 
 from app.core import clock, logs
 from app.core.config import Settings
+from app.core.fleet import FleetKey
 from app.core.lora_dir import LoraDir, lora_dir
 from app.core.storage import Storage
 from app.domain import workers
 from app.domain.adapters import Adapter, AdapterFinder
 from app.domain.estimates import PromptCount
 from app.domain.leases import Lease
-from app.domain.online import EngineUnavailable, OnlineAnswer
+from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
 from app.engine.bridge import EngineThread
@@ -79,6 +80,7 @@ class EngineService:
         self.engine_config: dict[str, object] = {}
         self.started_at = clock.now()
         self.url: str | None = None  # where `vbatch api` forwards online requests to (`advertise`)
+        self._fleet: FleetKey | None = None  # proves `url` to the replicas (`start`; None: nobody forwards here)
         self.metrics = Metrics()
         self.steps = EngineSteps()  # every step of every engine this service starts
         self._stack = AsyncExitStack()
@@ -144,6 +146,7 @@ class EngineService:
             engine_deaths=self.live.deaths,
             url=self.url,
             online_in_flight=self._online.in_flight,
+            url_proof=self._fleet.worker_proof(self.holder, self.url) if self._fleet and self.url else None,
         )
 
     def announce(self, found: Iterable[Adapter]) -> None:
@@ -194,11 +197,11 @@ class EngineService:
         """Look for work now (a batch was created or cancelled); from any thread."""
         self._bridge.wake()
 
-    async def respond(self, endpoint: str, body: dict) -> OnlineAnswer:
+    async def respond(self, request: OnlineRequest) -> OnlineAnswer:
         """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
-        answer = await self._online.respond(endpoint, body)
+        answer = await self._online.respond(request)
         if answer.status < 400:
-            await self._announce_found(body.get("model"))
+            await self._announce_found(request.body.get("model"))
         return answer
 
     async def _announce_found(self, model: object) -> None:
@@ -242,6 +245,8 @@ class EngineService:
         self._holder.hold_at_most = hold_at_most
         self._lora_dir = lora_dir(settings)
         self.url = self.url or settings.advertised_url
+        self._online.shared_cache = settings.shared_prefix_cache
+        self._fleet = settings.fleet_key()
         self.metrics = metrics or Metrics()
         self.live.engine_time.price = settings.gpu_hour_price
         self.metrics.count_engine_time(self.live.engine_time)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 from fastapi.testclient import TestClient
 
-from app.domain.online import OnlineAnswer
+from app.domain.online import OnlineAnswer, OnlineRequest
 from app.engine import online
 from app.engine.service import EngineService
 from app.launch import service_app
@@ -22,6 +22,12 @@ from tests.e2e.conftest import MODEL, STARTUP_SECONDS, engine_flags
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 CHAT = "/v1/chat/completions"
+
+
+def asked(body: dict, endpoint: str = CHAT) -> OnlineRequest:
+    return OnlineRequest.of(endpoint, body)
+
+
 RUNNING = re.compile(rb"^vllm:num_requests_running(\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
 WAITING = re.compile(rb"^vllm:num_requests_waiting(\{[^}]*\})? ([0-9.e+-]+)$", re.MULTILINE)
 
@@ -87,7 +93,7 @@ def test_a_scheduling_policy_the_user_names_wins(flags, policy):
 
 def test_a_streamed_chat_answer_is_vllms_server_sent_events(service):
     async def scenario() -> tuple[OnlineAnswer, list[bytes]]:
-        answer = await service.respond(CHAT, chat("Count to five.", stream=True, max_tokens=16))
+        answer = await service.respond(asked(chat("Count to five.", stream=True, max_tokens=16)))
         assert answer.events is not None
         return answer, [event async for event in answer.events]
 
@@ -102,9 +108,9 @@ def test_a_streamed_chat_answer_is_vllms_server_sent_events(service):
 
 
 def test_json_answers_are_vllms_bodies_and_a_refused_stream_openais_error(service):
-    answer = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=4, service_tier="flex")))
+    answer = asyncio.run(service.respond(asked(chat("Say yes.", max_tokens=4, service_tier="flex"))))
     assert answer.status == 200 and answer.body is not None and answer.body["object"] == "chat.completion"
-    refused = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=-1, stream=True)))
+    refused = asyncio.run(service.respond(asked(chat("Say yes.", max_tokens=-1, stream=True))))
     assert refused.status == 400 and refused.events is None and refused.body is not None
     error = refused.body["error"]
     assert (error["type"], error["param"], error["code"]) == ("invalid_request_error", "max_tokens", "invalid_value")
@@ -113,7 +119,7 @@ def test_json_answers_are_vllms_bodies_and_a_refused_stream_openais_error(servic
 def test_a_responses_stream_is_written_as_vllm_serve_writes_it(service):
     async def scenario() -> list[bytes]:
         body = {"model": MODEL, "input": "Say yes.", "stream": True, "max_output_tokens": 8}
-        answer = await service.respond("/v1/responses", body)
+        answer = await service.respond(asked(body, "/v1/responses"))
         assert answer.status == 200 and answer.events is not None, answer.body
         return [event async for event in answer.events]
 
@@ -133,7 +139,7 @@ def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
     async def scenario() -> int:
         before = service.live.generated_tokens() or 0
         answer = await service.respond(
-            CHAT, chat("Write a long story.", stream=True, max_tokens=length, ignore_eos=True)
+            asked(chat("Write a long story.", stream=True, max_tokens=length, ignore_eos=True))
         )
         assert answer.events is not None
         first = await anext(answer.events)
@@ -159,7 +165,7 @@ def test_an_online_request_into_a_full_engine_withdraws_batch_lines_which_run_ag
     in_engine = (SEATS, SEATS)  # running, waiting
     wait_for(lambda: (running_requests(service), running_requests(service, WAITING)) == in_engine, timeout=120)
 
-    answer = asyncio.run(service.respond(CHAT, chat("Say yes.", max_tokens=4)))
+    answer = asyncio.run(service.respond(asked(chat("Say yes.", max_tokens=4))))
     assert answer.status == 200 and answer.body is not None and answer.body["object"] == "chat.completion"
     assert window.withdrawn >= SEATS + 1  # the queued wave, and the running line that started last
 
