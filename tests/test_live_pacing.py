@@ -107,8 +107,9 @@ def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set(
     assert pacer.budget() == 1
     unmeasured = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=4096)
     assert unmeasured.budget() == 512  # nothing measured yet: an eighth of the step budget
-    small_steps = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=1024, budget_tokens=40)
-    assert small_steps.ramp_budget() == 512  # not an eighth of 1,024: the engine bounds its steps itself
+    small_steps = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=512, budget_tokens=40)
+    assert small_steps.ramp_budget() == 512  # not an eighth of 512: the engine bounds its steps itself
+    assert admitted(small_steps, [300] * 4, ramp=True) == [300] * 4  # so a first wave is not paced at all
 
 
 def test_a_target_of_zero_paces_nothing_not_even_a_first_wave():
@@ -326,7 +327,9 @@ def test_vllms_iteration_details_become_engine_steps_and_their_log_lines_stay_ou
     recorder.record(SimpleNamespace(iteration_details=None), None)  # a client's stats without a step
     assert heard == [EngineStep(0.0125, 100, 7, 0.25, 160)]
 
-    args = SimpleNamespace(enable_logging_iteration_details=False, scheduling_policy="fcfs")
+    args = SimpleNamespace(
+        enable_logging_iteration_details=False, scheduling_policy="fcfs", max_num_batched_tokens=2048
+    )
     vllm_adapter.apply_batch_defaults(args)
     assert args.enable_logging_iteration_details is True
     vllm_logger = logging.getLogger("vllm.v1.metrics.loggers")
@@ -339,8 +342,11 @@ def test_vllms_iteration_details_become_engine_steps_and_their_log_lines_stay_ou
     finally:
         for quiet in [f for f in vllm_logger.filters if isinstance(f, vllm_adapter._NoIterationLines)]:
             vllm_logger.removeFilter(quiet)
-    asked = SimpleNamespace(enable_logging_iteration_details=True, scheduling_policy="fcfs")
+    asked = SimpleNamespace(
+        enable_logging_iteration_details=True, scheduling_policy="fcfs", max_num_batched_tokens=4096
+    )
     vllm_adapter.apply_batch_defaults(asked)
+    assert asked.max_num_batched_tokens == 4096  # the user's own
     vllm_adapter._quiet_iteration_lines(asked)
     assert not any(isinstance(f, vllm_adapter._NoIterationLines) for f in vllm_logger.filters)  # the user's flag
 

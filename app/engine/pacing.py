@@ -17,10 +17,11 @@ takes of that leaves the prompt tokens that fit (at least one line a step: the b
 than the engine's own step budget. With data-parallel ranks each rank's step refills it.
 
 A new batch's first wave (the first `wave` lines a run hands over, `ramp`) is paced whatever the traffic, at no
-less than an eighth of the engine's step budget, nor than 512 tokens a step (with `--max-num-batched-tokens 1024`,
-a ramp of 128 tokens a step took a CPU's 200-line batch alone from 32.3 to 35.3 s): a live request may arrive at
-any moment, and the step that would carry the whole wave at once cannot be stopped. Once the wave is in, a batch
-with no live traffic about refills at full pace.
+less than an eighth of the engine's step budget, nor than 512 tokens a step: a live request may arrive at any
+moment, and the step that would carry the whole wave at once cannot be stopped (on a CPU, 4,096 prompt tokens in
+2.5 s). An engine whose step budget is no larger is not paced so: it bounds its steps itself, and lines handed to it
+a step at a time would come a step late. Once the wave is in, a batch with no live traffic about refills at full
+pace. What that costs a batch alone on a CPU: docs/benchmarks.md (issue 39).
 
 Room in the KV cache. While pacing, a line also waits while the engine's KV cache (its last reported use, if
 recent) has less free room than its prompt plus the room kept for live requests (`live_reserve`: those in flight
@@ -48,7 +49,7 @@ from app.engine.steps import EngineSteps
 # request's own prefill, the decode of what runs beside it and its way through the API.
 LIVE_STEP_SHARE = 0.1
 # A new batch's first wave enters at no less than this share of the engine's step budget a step, and no less than
-# `MIN_RAMP_TOKENS` (an engine given a small step budget bounds its steps itself).
+# `MIN_RAMP_TOKENS`: an engine given a small step budget bounds its steps itself.
 RAMP_SHARE = 1 / 8
 MIN_RAMP_TOKENS = 512
 CHARS_PER_TOKEN = 4.0
@@ -188,8 +189,11 @@ class PrefillPacer:
                 self._refill(self._pacing_now())
 
     def _pacing(self, ramp: bool) -> bool:
-        # A target of 0 turns the live protections off, a first wave's pace with them.
-        return self.ttft_target_seconds > 0 and (self.active or ramp)
+        # A target of 0 turns the live protections off, a first wave's pace with them; an engine whose own step budget
+        # is no more than a first wave's bounds its steps itself (handed a step at a time, lines would come late).
+        if self.ttft_target_seconds <= 0:
+            return False
+        return self.active or (ramp and self.ramp_budget() < self.max_step_tokens)
 
     def _pacing_now(self) -> int:
         """The budget in force: the live one, or a first wave's while no live traffic is about."""
