@@ -95,9 +95,10 @@ def as_online(request: OnlineRequest, *, shared_cache: bool) -> dict:
     body = request.body
     engine_body = {key: value for key, value in body.items() if key != "service_tier"}
     engine_body["priority"] = online_priority(body) + _own_priority(body)
-    if request.endpoint in USAGE_ON_ASKING and flag(body.get("stream")):
-        options = body.get("stream_options")
-        engine_body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+    options = body.get("stream_options")
+    if request.endpoint in USAGE_ON_ASKING and flag(body.get("stream")) and isinstance(options, dict | None):
+        # (`stream_options` of another type is left for the engine to refuse.)
+        engine_body["stream_options"] = {**(options or {}), "include_usage": True}
     return engine_body if shared_cache else tenant_salted(engine_body, request.tenant)
 
 
