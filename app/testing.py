@@ -10,6 +10,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -598,6 +599,61 @@ class LocalPostgres:
 
     def stop(self) -> None:
         self.server.cleanup()
+
+
+class LocalPgBouncer:
+    """Debian's PgBouncer (`make pgbouncer` installs it) in transaction mode in front of a `LocalPostgres`, on a free
+    port of 127.0.0.1: how a fleet larger than Postgres's connections reaches it (`VBATCH_DATABASE_POOLER=
+    transaction`). It holds at most `server_connections` connections to Postgres for any number of clients."""
+
+    def __init__(self, folder: Path, postgres: LocalPostgres, server_connections: int = 20) -> None:
+        binary = shutil.which("pgbouncer") or "/usr/sbin/pgbouncer"
+        if not Path(binary).exists():
+            raise RuntimeError("PgBouncer is missing: run `make pgbouncer` (Debian's package, installed as root)")
+        self.port = free_port()
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(0o777)  # it runs as pgserver's user when we are root (it refuses to run as root)
+        users = folder / "users.txt"
+        users.write_text('"postgres" ""\n')
+        config = folder / "pgbouncer.ini"
+        config.write_text(
+            f"[databases]\n* = host={postgres.folder} port=5432\n\n[pgbouncer]\nlisten_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\nunix_socket_dir =\nauth_type = trust\nauth_file = {users}\n"
+            f"pool_mode = transaction\ndefault_pool_size = {server_connections}\nmax_client_conn = 5000\n"
+            "ignore_startup_parameters = extra_float_digits,options\nlog_connections = 0\nlog_disconnections = 0\n"
+            f"logfile = {folder / 'pgbouncer.log'}\npidfile = {folder / 'pgbouncer.pid'}\n"
+        )
+        for path in (users, config):
+            path.chmod(0o644)
+        user = ["-u", "pgserver"] if os.geteuid() == 0 else []
+        self.process = subprocess.Popen(
+            [binary, *user, str(config)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
+        deadline = time.monotonic() + 30
+        while not _accepts(self.port):
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"PgBouncer did not start; see {folder / 'pgbouncer.log'}")
+            time.sleep(0.05)
+
+    def url(self, database_url: str) -> str:
+        """`database_url` (one of its server's databases) reached through the pooler."""
+        from sqlalchemy.engine import make_url
+
+        direct = make_url(database_url)
+        return direct.set(host="127.0.0.1", port=self.port, query={}).render_as_string(hide_password=False)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+def _accepts(port: int) -> bool:
+    import socket
+
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
 
 
 class LocalS3:

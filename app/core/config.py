@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     # SQLAlchemy URL of the database: unset, the SQLite file `vbatch.db` in the data directory; for Postgres,
     # `postgresql+psycopg://user:password@host/dbname`.
     database_url: str | None = None
+    # Connections each process's pool opens to Postgres at most (a thread that finds them all taken waits for one).
+    # Beside its pool a `vbatch worker` holds one connection to LISTEN for new work and one for its claim on the
+    # database, a `vbatch api` replica one for its claim: a fleet on Postgres directly opens (size + 2) a worker and
+    # (size + 1) a replica, which `max_connections` must hold (`docs/explanation/fleet-limits.md`).
+    database_pool_size: int = 5
+    # `transaction`: VBATCH_DATABASE_URL reaches Postgres through a pooler in transaction mode (PgBouncer's
+    # `pool_mode = transaction`), which hands each transaction whichever server connection is free. A process then
+    # holds no connection of its own: no prepared statements, no LISTEN (a worker with room looks for new work four
+    # times a second instead), and its claim on the database is checked at its start, not held.
+    database_pooler: Literal["none", "transaction"] = "none"
     # Where uploads and results are kept: unset, `files/` in the data directory; `s3://bucket/prefix` for an
     # S3-compatible store (credentials, region and endpoint from the usual AWS_* variables), the data directory then
     # holding only scratch (part files as they are written, local copies of inputs being run).

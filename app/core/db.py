@@ -7,14 +7,17 @@ from __future__ import annotations
 import fcntl
 import os
 import sqlite3
+import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
-from typing import Protocol
+from typing import Literal, Protocol
 
-from sqlalchemy import event, text
-from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import DBAPIError, SQLAlchemyError
+from sqlalchemy import NullPool, event, text
+from sqlalchemy.engine import Dialect, Engine, make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError, SQLAlchemyError
 from sqlmodel import Session, create_engine
 
 from app.core.blocking import guard_on, refuse_on_loop
@@ -23,6 +26,14 @@ BUSY_TIMEOUT_MS = 10_000
 CONNECT_TIMEOUT_S = 5
 _IMMEDIATE = "vbatch_immediate"
 WORK_CHANNEL = "vbatch_work"
+# Connections a process's pool opens at most unless told (`VBATCH_DATABASE_POOL_SIZE`).
+DEFAULT_POOL_SIZE = 5
+# A pooled connection idle longer than this is pinged before it is used: the server may have closed it meanwhile (a
+# restart, a failover). One in steady use is not, which saves a round trip on every transaction.
+PING_IDLE_SECONDS = 5.0
+# `VBATCH_DATABASE_POOLER`: how the URL reaches Postgres, directly or through a pooler in transaction mode.
+Pooler = Literal["none", "transaction"]
+_BEHIND_POOLER: weakref.WeakSet[Engine] = weakref.WeakSet()
 
 
 def _on_connect(dbapi_connection, _record) -> None:
@@ -50,10 +61,22 @@ def sqlite_path(url: str) -> Path:
     return Path(database)
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, *, pool_size: int = DEFAULT_POOL_SIZE, pooler: Pooler = "none") -> Engine:
+    """On Postgres, a pool of at most `pool_size` connections (a thread that finds them all taken waits for one):
+    each process opens that many at most, whatever its load, so a fleet's connections add up to a known number.
+    `pooler="transaction"`: the URL reaches Postgres through a pooler in transaction mode (PgBouncer), which hands
+    each transaction whichever server connection is free."""
     if not is_sqlite(url):
-        # A connection the server closed (a restart, a failover) is replaced before use, not failed on.
-        engine = create_engine(url, pool_pre_ping=True, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+        connect_args: dict[str, object] = {"connect_timeout": CONNECT_TIMEOUT_S}
+        if pooler == "transaction":
+            # psycopg prepares a statement it has run five times, on the server connection it ran on; the next
+            # transaction may run on another, which knows no such statement.
+            connect_args["prepare_threshold"] = None
+        engine = create_engine(url, pool_size=pool_size, max_overflow=0, connect_args=connect_args)
+        event.listen(engine, "checkin", _on_checkin)
+        event.listen(engine, "checkout", partial(_ping_if_idle, engine.dialect))
+        if pooler == "transaction":
+            _BEHIND_POOLER.add(engine)
     else:
         sqlite_path(url).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"check_same_thread": False})
@@ -66,6 +89,28 @@ def make_engine(url: str) -> Engine:
 
 def _on_checkout(_dbapi_connection, _record, _proxy) -> None:
     refuse_on_loop("a database connection taken from the pool")
+
+
+def _on_checkin(_dbapi_connection, record) -> None:
+    record.info["returned_at"] = time.monotonic()
+
+
+def _ping_if_idle(dialect: Dialect, dbapi_connection, record, _proxy) -> None:
+    """A connection the server closed while it sat idle in the pool is replaced before use, not failed on: the pool
+    takes another (SQLAlchemy's `pool_pre_ping`, but only after `PING_IDLE_SECONDS` idle)."""
+    returned = record.info.get("returned_at")
+    if returned is None or time.monotonic() - returned < PING_IDLE_SECONDS:
+        return
+    try:
+        dialect.do_ping(dbapi_connection)
+    except dialect.loaded_dbapi.Error as exc:
+        raise DisconnectionError(f"a pooled connection was closed while idle: {exc}") from exc
+
+
+def behind_pooler(engine: Engine) -> bool:
+    """Whether `engine` reaches Postgres through a pooler in transaction mode: no session of its own (LISTEN, session
+    locks), one transaction at a time on whichever server connection is free."""
+    return engine in _BEHIND_POOLER
 
 
 @contextmanager
@@ -99,10 +144,18 @@ def announce_work(session: Session) -> None:
         session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": WORK_CHANNEL})
 
 
+def hears_announcements(engine: Engine) -> bool:
+    """Whether `work_announcements` yields anything: on Postgres reached directly. SQLite announces nothing, and a
+    pooler in transaction mode carries no LISTEN (the server connection that listened goes back to its pool after
+    the statement)."""
+    return engine.dialect.name == "postgresql" and not behind_pooler(engine)
+
+
 async def work_announcements(engine: Engine) -> AsyncIterator[None]:
     """Yields once listening (work announced meanwhile was missed: look now), then at each `announce_work`
-    committed anywhere; on Postgres only (none on SQLite). Raises when the connection fails: listen again."""
-    if engine.dialect.name != "postgresql":
+    committed anywhere, where it `hears_announcements` (else it ends at once). Raises when the connection fails:
+    listen again."""
+    if not hears_announcements(engine):
         return
     import psycopg
 
@@ -125,7 +178,10 @@ class Claim(Protocol):
 def claim_database(engine: Engine, data_dir: Path, *, exclusive: bool) -> Claim:
     """This process's claim on the database, held until `close`: `vbatch serve` claims it alone (`exclusive`: it
     sweeps what no row refers to and expects no other process beside it), API replicas and workers together. A
-    lock on the server for Postgres, on a file beside the database for SQLite (whose processes share a host)."""
+    lock on the server for Postgres, on a connection of its own (not one of the pool's), on a file beside the
+    database for SQLite (whose processes share a host). Through a pooler in transaction mode a session lock would
+    stay on whichever server connection took it: a replica or worker there only checks, at its start, that `vbatch
+    serve` holds none."""
     where = engine.url.render_as_string(hide_password=True)
     if engine.dialect.name == "sqlite":
         lock = (data_dir / "service.lock").open("a")
@@ -135,14 +191,32 @@ def claim_database(engine: Engine, data_dir: Path, *, exclusive: bool) -> Claim:
             lock.close()
             raise DatabaseTaken(_taken_message(where, exclusive)) from None
         return lock
-    connection = engine.connect()
-    function = "pg_try_advisory_lock" if exclusive else "pg_try_advisory_lock_shared"
-    taken = connection.execute(text(f"SELECT {function}(hashtextextended('vbatch-service', 0))")).scalar()
+    if behind_pooler(engine):
+        with engine.connect() as checking:
+            free = checking.execute(text(f"SELECT pg_try_advisory_xact_lock{_shared(exclusive)}({_SERVICE_LOCK})"))
+            if not free.scalar():
+                raise DatabaseTaken(_taken_message(where, exclusive))
+        return _NoClaim()
+    own = create_engine(engine.url, poolclass=NullPool, connect_args={"connect_timeout": CONNECT_TIMEOUT_S})
+    connection = own.connect()
+    taken = connection.execute(text(f"SELECT pg_try_advisory_lock{_shared(exclusive)}({_SERVICE_LOCK})")).scalar()
     connection.commit()
     if not taken:
         connection.close()
         raise DatabaseTaken(_taken_message(where, exclusive))
     return connection
+
+
+_SERVICE_LOCK = "hashtextextended('vbatch-service', 0)"
+
+
+def _shared(exclusive: bool) -> str:
+    return "" if exclusive else "_shared"
+
+
+class _NoClaim:
+    def close(self) -> None:
+        pass
 
 
 def _taken_message(where: str, exclusive: bool) -> str:

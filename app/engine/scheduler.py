@@ -13,7 +13,7 @@ from collections.abc import Callable
 from sqlalchemy.engine import Engine
 
 from app.core.config import Settings
-from app.core.db import work_announcements
+from app.core.db import behind_pooler, work_announcements
 from app.core.storage import Storage
 from app.domain import workers
 from app.domain.leases import LeaseLost
@@ -31,6 +31,9 @@ log = logging.getLogger("vbatch.engine")
 
 # How often the loop looks for work even when nobody woke it (batches created by another process, expiry).
 POLL_SECONDS = 1.0
+# How often a service with room for a batch looks where no announcement can wake it (Postgres through a pooler in
+# transaction mode): a new batch is then claimed within this, as LISTEN has it claimed as it commits.
+UNANNOUNCED_POLL_SECONDS = 0.25
 
 
 class Scheduler:
@@ -74,10 +77,14 @@ class Scheduler:
             # asyncio.timeout, not wait_for: on Python 3.11 wait_for swallows a cancel that comes as the event is
             # set (a stop as a batch ends), and this loop would then never end.
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(POLL_SECONDS):
+                async with asyncio.timeout(self._next_look(ctx.db)):
                     await woken.wait()
             if woken.is_set():  # a batch was created or cancelled: batches waiting for a turn look again
                 ctx.changes.notify()
+
+    def _next_look(self, db: Engine) -> float:
+        """Seconds to the next look unless woken."""
+        return UNANNOUNCED_POLL_SECONDS if behind_pooler(db) and self.holder.has_room() else POLL_SECONDS
 
     async def without_engine(self, db: Engine, storage: Storage, settings: Settings) -> None:
         """No engine: nothing runs, but every batch still ends once its completion window (and the grace) has
@@ -127,7 +134,8 @@ class Scheduler:
 
     async def listen(self, db: Engine) -> None:
         """Look for work as soon as another process announces some (a batch created through an API replica, shards
-        cut by another worker), not at the next poll; on a database that announces nothing, the polls find it."""
+        cut by another worker), not at the next poll; where nothing is announced (SQLite, or Postgres through a
+        pooler in transaction mode), the polls find it."""
         woken = self.bridge.woken
         assert woken is not None
         failed = False
