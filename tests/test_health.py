@@ -19,18 +19,18 @@ from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, w
 
 def test_a_loop_that_cannot_read_its_batches_says_so_and_recovers(client, monkeypatch):
     assert client.get("/health").json() == {"status": "ok", "model": "fake-model", "problems": []}
-    real_active = batches.active
+    real_active = batches.active_among  # what the loop reads of the batches it holds
 
-    def broken(*, db):
+    def broken(*, db, batch_ids):
         raise OSError("disk I/O error")
 
-    monkeypatch.setattr(batches, "active", broken)
+    monkeypatch.setattr(batches, "active_among", broken)
     source = upload(client, jsonl([request_line("a")]))
     batch = create_batch(client, source["id"])
     unavailable = wait_for(lambda: (r := client.get("/health")).status_code == 503 and r.json())
     assert unavailable["status"] == "unavailable"
     assert unavailable["problems"] == ["the engine loop cannot read its batches (OSError)"]
-    monkeypatch.setattr(batches, "active", real_active)
+    monkeypatch.setattr(batches, "active_among", real_active)
     done = wait_status(client, batch["id"], {"completed"})  # the loop lived through it
     assert done["request_counts"]["completed"] == 1
     assert wait_for(lambda: client.get("/health").status_code == 200)

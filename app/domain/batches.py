@@ -8,6 +8,7 @@ import json
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 
+from sqlalchemy import update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import aliased
 from sqlmodel import col, func, select
@@ -17,7 +18,7 @@ from app.core.auth import visible
 from app.core.db import announce_work, lock_name, session_scope, write_scope
 from app.core.ids import new_id
 from app.core.storage import Storage
-from app.domain import events, files, leases
+from app.domain import events, files, leases, turns
 from app.domain.cost import Spend, spend
 from app.domain.errors import InvalidRequest, NotCancellable, NotFound, TooManyActive
 from app.domain.leases import Lease
@@ -210,6 +211,7 @@ def create(
             ),
             created_at=created,
             expires_at=created + windows[request.completion_window],
+            turn=turns.next_turn(session, owner),
         )
         session.add(row)
         announce_work(session)
@@ -469,18 +471,6 @@ def request_cancel(*, db: Engine, batch_id: str, owner: str) -> BatchRow:
         return request_cancel(db=db, batch_id=batch_id, owner=owner)
 
 
-def _update(*, db: Engine, batch_id: str, lease: Lease | None = None, **fields: object) -> None:
-    with write_scope(db) as session:
-        row = session.get(BatchRow, batch_id, with_for_update=True)
-        if row is None:
-            raise NotFound("Batch", batch_id)
-        leases.check(row, lease)
-        for name, value in fields.items():
-            setattr(row, name, value)
-        session.add(row)
-        session.commit()
-
-
 def save_checkpoint(
     *,
     db: Engine,
@@ -489,22 +479,31 @@ def save_checkpoint(
     output_bytes: int,
     error_bytes: int,
     lease: Lease | None = None,
+    lease_seconds: float | None = None,
     live: RunStats | None = None,
-) -> None:
-    """Counts and usage together with the fsynced part-file lengths they describe, in one transaction; under a
-    lease, the part files are that lease's (`parts_token`); with `live`, the run's live numbers."""
-    extra: dict[str, object] = {"parts_token": lease.token} if lease is not None else {}
+) -> BatchStatus:
+    """Counts and usage together with the fsynced part-file lengths they describe, in one statement; under a lease,
+    only while it holds (`LeaseLost` otherwise), the part files then that lease's (`parts_token`), and the lease
+    renewed for `lease_seconds` if given; with `live`, the run's live numbers. Returns the batch's status as the
+    checkpoint found it: a cancel that came meanwhile shows."""
+    values: dict[str, object] = {"output_bytes_done": output_bytes, "error_bytes_done": error_bytes, **vars(progress)}
+    statement = update(BatchRow).where(col(BatchRow.id) == batch_id)
+    if lease is not None:
+        values["parts_token"] = lease.token
+        if lease_seconds is not None:
+            values["lease_expires_ns"] = clock.now_ns() + int(lease_seconds * 1e9)
+        statement = statement.where(
+            col(BatchRow.lease_token) == lease.token, col(BatchRow.lease_holder) == lease.holder
+        )
     if live is not None:
-        extra["live_json"] = live.model_dump_json(exclude={"series"})
-    _update(
-        db=db,
-        batch_id=batch_id,
-        lease=lease,
-        output_bytes_done=output_bytes,
-        error_bytes_done=error_bytes,
-        **extra,
-        **vars(progress),
-    )
+        values["live_json"] = live.model_dump_json(exclude={"series"})
+    with write_scope(db) as session:
+        found = session.exec(statement.values(**values).returning(col(BatchRow.status))).first()  # type: ignore[call-overload]
+        session.commit()
+    if found is None:  # gone (NotFound), or its lease has passed on
+        leases.check(get(db=db, batch_id=batch_id, owner=None), lease)
+        raise leases.LeaseLost(batch_id)
+    return BatchStatus(found[0])
 
 
 def stored_live(row: BatchRow) -> RunStats | None:
@@ -512,6 +511,20 @@ def stored_live(row: BatchRow) -> RunStats | None:
     if row.live_json is None or row.status not in ACTIVE:
         return None
     return RunStats.model_validate_json(row.live_json)
+
+
+def active_among(*, db: Engine, batch_ids: Collection[str]) -> list[BatchRow]:
+    """Those of these batches (a service's own) that are active, oldest first: read by their ids, whatever else is
+    active (a fleet's queue may hold thousands)."""
+    if not batch_ids:
+        return []
+    with session_scope(db) as session:
+        statement = (
+            select(BatchRow)
+            .where(col(BatchRow.id).in_(list(batch_ids)), col(BatchRow.status).in_(ACTIVE))
+            .order_by(col(BatchRow.created_ns).asc())
+        )
+        return list(session.exec(statement).all())
 
 
 def active(*, db: Engine) -> list[BatchRow]:

@@ -11,6 +11,9 @@ One path on both databases, hand-written rather than a job library's: the claim 
 is the work's state), and procrastinate, the library that fits best, runs on Postgres only while SQLite stays the
 default. On Postgres a claim skips rows another claim has locked (SKIP LOCKED); SQLite takes its write lock for
 the whole claim (BEGIN IMMEDIATE).
+
+Claims take batches in the order of their turns (`app.domain.turns`): round robin over keys, each key's own batches
+oldest first. A holder renews all its leases in one statement (`renew`).
 """
 
 from __future__ import annotations
@@ -21,14 +24,14 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
 import psutil
-from sqlalchemy import ColumnElement, or_, true, update
+from sqlalchemy import ColumnElement, or_, true, tuple_, update
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
 from app.core import clock
 from app.core.db import session_scope, write_scope
-from app.domain.lifecycle import ACTIVE, BatchStatus
-from app.domain.models import BatchRow
+from app.domain.lifecycle import BatchStatus
+from app.domain.models import ACTIVE_ROWS, BatchRow
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,8 @@ class LeaseLost(Exception):
 def claim(
     *, db: Engine, holder: str, seconds: float, limit: int | None = None, models: Collection[str] | None = None
 ) -> list[Lease]:
-    """Leases on active batches no one holds (oldest first, at most `limit`), each with a new token. With `models`
+    """Leases on active batches no one holds (by turn: round robin over keys; at most `limit`), each with a new
+    token. With `models`
     (a worker beside others), only batches for one of them or for no model in particular, and those any worker
     can end: being cancelled, or past their completion window (`app.engine.ending.end_unserved`). A batch for a
     model no worker serves waits for one until then, and no longer."""
@@ -57,10 +61,10 @@ def claim(
     with write_scope(db) as session:
         statement = (
             select(BatchRow)
-            .where(col(BatchRow.status).in_(ACTIVE))
+            .where(ACTIVE_ROWS)
             .where(or_(col(BatchRow.lease_holder).is_(None), col(BatchRow.lease_expires_ns) < now))
             .where(_for_models(models))
-            .order_by(col(BatchRow.created_ns).asc())
+            .order_by(col(BatchRow.turn).asc(), col(BatchRow.created_ns).asc())
             .with_for_update(skip_locked=True)
             .limit(limit)
         )
@@ -82,7 +86,7 @@ def unheld_models(*, db: Engine, limit: int = 100) -> list[str]:
     with session_scope(db) as session:
         statement = (
             select(col(BatchRow.model))
-            .where(col(BatchRow.status).in_(ACTIVE), col(BatchRow.model).is_not(None))
+            .where(ACTIVE_ROWS, col(BatchRow.model).is_not(None))
             .where(or_(col(BatchRow.lease_holder).is_(None), col(BatchRow.lease_expires_ns) < now))
             .distinct()
             .limit(limit)
@@ -99,21 +103,22 @@ def _for_models(models: Collection[str] | None) -> ColumnElement[bool]:
 
 
 def renew(*, db: Engine, leases: Iterable[Lease], seconds: float) -> set[str]:
-    """Extend each lease that is still this holder's; returns the ids of those that are not."""
-    lost = set()
+    """Extend each lease that is still its holder's, all in one statement; returns the ids of those that are not."""
+    held = list(leases)
+    if not held:
+        return set()
     expires = clock.now_ns() + int(seconds * 1e9)
     with write_scope(db) as session:
-        for lease in leases:
-            statement = (
-                update(BatchRow)
-                .where(col(BatchRow.id) == lease.batch_id, col(BatchRow.lease_token) == lease.token)
-                .where(col(BatchRow.lease_holder) == lease.holder)
-                .values(lease_expires_ns=expires)
-            )
-            if session.exec(statement).rowcount == 0:  # type: ignore[call-overload]
-                lost.add(lease.batch_id)
+        statement = (
+            update(BatchRow)
+            .where(tuple_(col(BatchRow.id), col(BatchRow.lease_token)).in_([(h.batch_id, h.token) for h in held]))
+            .where(col(BatchRow.lease_holder).in_({h.holder for h in held}))
+            .values(lease_expires_ns=expires)
+            .returning(col(BatchRow.id), col(BatchRow.lease_holder))
+        )
+        kept = {(batch_id, holder) for batch_id, holder in session.exec(statement).all()}  # type: ignore[call-overload]
         session.commit()
-    return lost
+    return {lease.batch_id for lease in held if (lease.batch_id, lease.holder) not in kept}
 
 
 def release(*, db: Engine, lease: Lease) -> None:

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
-from sqlalchemy import BigInteger, Column
+from sqlalchemy import BigInteger, Column, Index, text
 from sqlmodel import AutoString, Field, SQLModel
 
-from app.domain.lifecycle import BatchStatus
+from app.domain.lifecycle import ACTIVE, BatchStatus
+
+# The rows of active batches, as the partial indexes that serve claims say it: a query that says it in the same words
+# (literals, not parameters) is one the server can serve from them, also as a prepared statement.
+ACTIVE_ROWS = text("status IN ({})".format(", ".join(f"'{status.value}'" for status in sorted(ACTIVE))))
 
 
 class FileRow(SQLModel, table=True):
     __tablename__ = "files"
+    # A key's files newest first, a page at a time (`app.domain.pagination`).
+    __table_args__ = (Index("ix_files_owner_created", "owner", "created_ns", "id"),)
 
     id: str = Field(primary_key=True)
     # Nanosecond creation time: a total order for listing and cursors (several files share a second).
@@ -21,8 +27,8 @@ class FileRow(SQLModel, table=True):
     purpose: str = Field(index=True)
     status: str = "processed"
     batch_id: str | None = Field(default=None, index=True)
-    # The API key (its owner id, app.core.auth) that uploaded it, or whose batch wrote it.
-    owner: str = Field(default="", index=True)
+    # The API key (its owner id, app.core.auth) that uploaded it, or whose batch wrote it (`ix_files_owner_created`).
+    owner: str = ""
     # The model a batch input's first line names (read from the head the upload already sniffs): a batch made
     # from it has its `model` from its creation, and only a worker that serves that model claims it.
     model: str | None = None
@@ -30,6 +36,14 @@ class FileRow(SQLModel, table=True):
 
 class BatchRow(SQLModel, table=True):
     __tablename__ = "batches"
+    __table_args__ = (
+        # A key's batches newest first, a page at a time (`app.domain.pagination`).
+        Index("ix_batches_owner_created", "owner", "created_ns", "id"),
+        # Claims: the active batches in the order of their turns (`app.domain.leases.claim`).
+        Index("ix_batches_claim_order", "turn", "created_ns", postgresql_where=ACTIVE_ROWS, sqlite_where=ACTIVE_ROWS),
+        # A new batch's turn: its key's last active one (`app.domain.turns`).
+        Index("ix_batches_owner_turn", "owner", "turn", postgresql_where=ACTIVE_ROWS, sqlite_where=ACTIVE_ROWS),
+    )
 
     id: str = Field(primary_key=True)
     created_ns: int = Field(index=True, sa_type=BigInteger)
@@ -37,7 +51,7 @@ class BatchRow(SQLModel, table=True):
     input_file_id: str
     completion_window: str
     status: BatchStatus = Field(sa_type=AutoString, index=True)
-    owner: str = Field(default="", index=True)
+    owner: str = ""  # looked up by `ix_batches_owner_created`
     # From the input file's first line at creation (`FileRow.model`), which decides the workers that may claim the
     # batch; validation sets the model every line runs on (the base model of a mix of it and its adapters).
     model: str | None = None
@@ -82,6 +96,8 @@ class BatchRow(SQLModel, table=True):
     # Whose part files the checkpoint above counts: the lease token of the run that wrote them
     # (`app.domain.results.part_names`; 0 for batches from before leases).
     parts_token: int = 0
+    # Its place in the order claims take waiting batches: round robin over keys (`app.domain.turns`).
+    turn: int = Field(default=0, sa_type=BigInteger)
     # Which service runs the batch (`app.domain.leases`): its holder, until when, and the fencing token every write
     # of that run must carry. A claim bumps the token, so a holder that lost its lease can no longer write.
     lease_holder: str | None = None

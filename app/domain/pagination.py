@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from sqlalchemy import and_, or_
+from sqlalchemy import tuple_
 from sqlmodel import Session, select
 
 from app.core.auth import visible
@@ -33,15 +33,10 @@ def page(
         anchor = session.get(table, after) or session.get(DeletedObject, after)
         if anchor is None or not visible(anchor.owner, owner):
             raise InvalidRequest(f"No such object for 'after': {after}", param="after")
-        newer = or_(
-            table.created_ns > anchor.created_ns,
-            and_(table.created_ns == anchor.created_ns, table.id > anchor.id),
-        )
-        older = or_(
-            table.created_ns < anchor.created_ns,
-            and_(table.created_ns == anchor.created_ns, table.id < anchor.id),
-        )
-        statement = statement.where(older if descending else newer)
+        # A row comparison, not its spelled-out OR: the server reads it as a range of the (owner, created_ns, id)
+        # index, in order, where the OR made it gather the key's rows and sort them.
+        place, anchored = tuple_(table.created_ns, table.id), tuple_(anchor.created_ns, anchor.id)
+        statement = statement.where(place < anchored if descending else place > anchored)
     if descending:
         statement = statement.order_by(table.created_ns.desc(), table.id.desc())
     else:

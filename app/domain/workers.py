@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from typing import Any
 
-from sqlalchemy import delete
+from sqlalchemy import delete, update
 from sqlalchemy.engine import Engine
 from sqlmodel import col, select
 
@@ -35,21 +36,23 @@ class WorkerState:
 
 
 def beat(*, db: Engine, worker: WorkerState) -> None:
+    """One statement each second once the row is there (an update; the first beat inserts it)."""
+    said: dict[str, Any] = {
+        "beat_ns": clock.now_ns(),
+        "state": worker.state,
+        "served_models_json": json.dumps(worker.served_models),
+        "adapters_json": adapters.to_json(worker.adapters),
+        "engine_config_json": json.dumps(worker.engine_config, default=str),
+        "scheduler_error": worker.scheduler_error,
+        "engine_deaths": worker.engine_deaths,
+        "url": worker.url,
+        "online_in_flight": worker.online_in_flight,
+        "url_proof": worker.url_proof,
+    }
     with write_scope(db) as session:
-        row = session.get(WorkerRow, worker.holder, with_for_update=True) or WorkerRow(
-            holder=worker.holder, started_at=worker.started_at, beat_ns=0, state=worker.state
-        )
-        row.beat_ns = clock.now_ns()
-        row.state = worker.state
-        row.served_models_json = json.dumps(worker.served_models)
-        row.adapters_json = adapters.to_json(worker.adapters)
-        row.engine_config_json = json.dumps(worker.engine_config, default=str)
-        row.scheduler_error = worker.scheduler_error
-        row.engine_deaths = worker.engine_deaths
-        row.url = worker.url
-        row.online_in_flight = worker.online_in_flight
-        row.url_proof = worker.url_proof
-        session.add(row)
+        updated = session.exec(update(WorkerRow).where(col(WorkerRow.holder) == worker.holder).values(**said))  # type: ignore[call-overload]
+        if updated.rowcount == 0:
+            session.add(WorkerRow(holder=worker.holder, started_at=worker.started_at, **said))
         session.commit()
 
 

@@ -1,10 +1,10 @@
 """The lease holder: which batches this service holds (`app.domain.leases`), kept in the registry it shares with
 the scheduler and the watchdog (`app.engine.runs`).
 
-At every look for work it renews the leases it holds and stops the runs of those it lost, claims batches no one
-holds (up to `hold_at_most`), and ends the leases of batches that have ended. A service that stops gives its
-batches up, for the next one to take at once. Each database call runs on a thread, and what it returns is applied
-on the loop: the registry is the loop's alone.
+At every look for work it renews the leases it holds (once a third of a lease has passed since it last did) and
+stops the runs of those it lost, claims batches no one holds (up to `hold_at_most`), and ends the leases of batches
+that have ended. A service that stops gives its batches up, for the next one to take at once. Each database call
+runs on a thread, and what it returns is applied on the loop: the registry is the loop's alone.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Collection
 
 from sqlalchemy.engine import Engine
@@ -24,6 +25,9 @@ from app.engine.found_adapters import ClaimableAdapters
 from app.engine.runs import Runs
 
 log = logging.getLogger("vbatch.engine")
+# Leases are renewed this many times in a lease's length: one renewal may fail (the database away for a moment)
+# and the next still comes in time.
+RENEWALS_PER_LEASE = 3
 
 
 class LeaseHolder:
@@ -38,6 +42,7 @@ class LeaseHolder:
         self.adapters = adapters
         # At most this many batches at once (None: every active batch, as `vbatch serve` alone does).
         self.hold_at_most: int | None = None
+        self._renewed_at = -float("inf")  # time.monotonic() of the last renewal
 
     async def _models(self, db: Engine) -> Collection[str] | None:
         """The models of the batches it claims: beside other workers, those it serves (`leases.claim`) and the
@@ -59,15 +64,11 @@ class LeaseHolder:
     async def hold(self, db: Engine, settings: Settings) -> list[BatchRow]:
         """Renew this service's leases, stop the runs of those it lost, claim the batches no one holds, and end the
         leases of those that have ended: the active batches it now holds, oldest first."""
-        lost = await asyncio.to_thread(leases.renew, db=db, leases=self.runs.leases(), seconds=settings.lease_seconds)
-        for batch_id in lost:
-            if self.runs.running(batch_id):
-                log.error("batch %s: its lease passed to another service; this run stops", batch_id)
-            await self.runs.let_go(batch_id)
+        await self._renew(db, settings)
         room = None if self.hold_at_most is None else self.hold_at_most - len(self.runs)
         if room is None or room > 0:
             await self._claim(db, settings, room)
-        rows = [row for row in await asyncio.to_thread(batches.active, db=db) if row.id in self.runs]
+        rows = await asyncio.to_thread(batches.active_among, db=db, batch_ids=self.runs.ids())
         active = {row.id for row in rows}
         for batch_id in [b for b in self.runs.ids() if b not in active and not self.runs.running(b)]:
             lease = self.runs.lease(batch_id)
@@ -76,6 +77,21 @@ class LeaseHolder:
             await asyncio.to_thread(leases.end, db=db, lease=lease)
             self.runs.drop(batch_id)
         return rows
+
+    def has_room(self) -> bool:
+        return self.hold_at_most is None or len(self.runs) < self.hold_at_most
+
+    async def _renew(self, db: Engine, settings: Settings) -> None:
+        """Every lease in one write, once a third of a lease has passed since the last; stops the runs of those lost."""
+        now = time.monotonic()
+        if now - self._renewed_at < settings.lease_seconds / RENEWALS_PER_LEASE:
+            return
+        lost = await asyncio.to_thread(leases.renew, db=db, leases=self.runs.leases(), seconds=settings.lease_seconds)
+        self._renewed_at = now
+        for batch_id in lost:
+            if self.runs.running(batch_id):
+                log.error("batch %s: its lease passed to another service; this run stops", batch_id)
+            await self.runs.let_go(batch_id)
 
     async def _claim(self, db: Engine, settings: Settings, room: int | None) -> None:
         """Hold what the claim took even when a stop cancels the wait for it: a lease taken without this service

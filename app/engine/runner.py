@@ -107,6 +107,8 @@ class BatchRun:
             tenant=self.row.owner, by_priority=ctx.batch_priority, shared_cache=ctx.settings.shared_prefix_cache
         )
         self.payer = Payer(BATCH, key_label(self.row.owner), self.row.model or "", self.row.id)
+        self._saved_status: BatchStatus | None = None  # as the last checkpoint's write found it
+        self._held_at = -float("inf")  # time.monotonic() when the last checkpoint's write (which renews it) began
 
     def stats(self) -> RunStats | None:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
@@ -142,29 +144,41 @@ class BatchRun:
             await self._fill_unfinished(stop_status)
             await self._finish(stop_status)
 
-    async def _checkpoint(self) -> None:
+    async def _checkpoint(self) -> BatchStatus | None:
+        """The batch's status as the checkpoint's write found it (None: it wrote nothing)."""
         # With the disk full, results stop here: the room left is for the database to end the batch.
         self.ctx.storage.check_room()
-        if self.sink.ship is not None:  # segments are written before their commit: not by a run that lost its lease
+        if self.sink.ship is not None and not self._surely_held():
+            # Segments are written before their commit: not by a run that lost its lease.
             leases.check(await self.run.stored(), self.run.lease)
         self._charge()
+        self._saved_status = None
         with self.ctx.metrics.checkpoint_seconds.time():
             await self.sink.checkpoint(self._save)
+        return self._saved_status
 
     def _charge(self) -> None:
         """The engine time the batch's lines used since the last charge, into its counts."""
         self.sink.progress.gpu_seconds += self.ctx.live.engine_time.take(self.row.id)
 
     def _save(self, checkpoint: Checkpoint) -> None:
-        batches.save_checkpoint(
+        writing = time.monotonic()
+        self._saved_status = batches.save_checkpoint(
             db=self.ctx.db,
             batch_id=self.row.id,
             progress=checkpoint.progress,
             output_bytes=checkpoint.output_bytes,
             error_bytes=checkpoint.error_bytes,
             lease=self.run.lease,
+            lease_seconds=self.ctx.settings.lease_seconds,
             live=self.stats(),
         )
+        self._held_at = writing
+
+    def _surely_held(self) -> bool:
+        """Whether the lease is still this run's for sure, without a read: each checkpoint's write renews it, so
+        within half a lease of the last one (the other half for clocks apart) no other service can have taken it."""
+        return time.monotonic() - self._held_at < self.ctx.settings.lease_seconds / 2
 
     def _expired(self) -> bool:
         return self.row.expires_at is not None and clock.now() >= self.row.expires_at
@@ -346,8 +360,7 @@ class BatchRun:
     async def _ticks(self) -> BatchStatus:
         while True:
             await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
-            await self._checkpoint()
-            if (await self.run.stored()).status == BatchStatus.CANCELLING:
+            if await self._checkpoint() == BatchStatus.CANCELLING:
                 return BatchStatus.CANCELLED
             if self._expired():
                 return BatchStatus.EXPIRED

@@ -107,6 +107,7 @@ def _shard_row(parent: BatchRow, number: int, *, total: int, model: str | None) 
         completion_window=parent.completion_window,
         status=BatchStatus.IN_PROGRESS,
         owner=parent.owner,  # the round robin over keys counts it as its parent's
+        turn=parent.turn,  # claimed in its parent's turn, in shard order
         model=model,
         output_expires_after_seconds=parent.output_expires_after_seconds,
         created_at=parent.created_at,
