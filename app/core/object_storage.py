@@ -10,6 +10,10 @@ as a segment object `<part>/<start>-<end>`, created only if no object has that n
 segment. A part's committed bytes are its segments from 0 up to the length its checkpoint counts; a run that takes
 the batch over downloads them, `partial_output` streams them, and the finished part file is uploaded whole as the
 output file (segments are usually under S3's 5 MiB minimum part, so a server-side multipart copy cannot join them).
+
+Requests are counted (the fleet's limits, `docs/explanation/fleet-limits.md`): an upload no larger than a part is one
+PUT, not a multipart upload's three; the segments a process shipped or downloaded are remembered, so a batch's run
+files go at its end in one bulk delete, listing only the parts this process never saw.
 """
 
 from __future__ import annotations
@@ -48,6 +52,9 @@ class ObjectStorage(Storage):
         super().__init__(scratch, reserve)
         self.url = url
         self.store = from_url(url)
+        # The segments of each part this process shipped or downloaded, until the part is deleted: all a part can
+        # hold for its own run (a token is one claim's), all a later run adopted of an earlier one's.
+        self._segments: dict[str, list[str]] = {}
 
     async def save_stream(
         self, name: str, chunks: AsyncIterator[bytes], *, max_bytes: int, keep_free: bool = False
@@ -55,10 +62,14 @@ class ObjectStorage(Storage):
         """Streamed to the store as a multipart upload, which the store discards if the stream fails (too large, or
         the client goes): nothing appears under `name` but a whole upload. `keep_free` is the local disk's concern."""
         self.path(name)  # the same names as on disk
-        size = 0
+        head, size = await _first_part(chunks, max_bytes)
+        if size <= UPLOAD_PART_BYTES:  # all there is: one request
+            await obstore.put_async(self.store, name, head)
+            return size
 
         async def counted() -> AsyncIterator[bytes]:
             nonlocal size
+            yield head
             async for chunk in chunks:
                 size += len(chunk)
                 if size > max_bytes:
@@ -130,13 +141,18 @@ class ObjectStorage(Storage):
         return self._shipper(own, shipped)
 
     def _shipper(self, own: Sequence[Path], shipped: list[int]) -> ShipParts:
+        for path in own:
+            self._segments.setdefault(path.name, [])
+
         async def ship(*appended: tuple[int, bytes]) -> None:
             for i, (end, data) in enumerate(appended):
                 start = end - len(data)
                 if start > shipped[i]:  # the part's beginning, adopted from a previous run's
                     data = await asyncio.to_thread(_read_range, own[i], shipped[i], start) + data
                 if end > shipped[i]:
-                    await obstore.put_async(self.store, segment_name(own[i].name, shipped[i], end), data, mode="create")
+                    segment = segment_name(own[i].name, shipped[i], end)
+                    self._segments.setdefault(own[i].name, []).append(segment)
+                    await obstore.put_async(self.store, segment, data, mode="create")
                     shipped[i] = end
 
         return ship
@@ -145,6 +161,7 @@ class ObjectStorage(Storage):
         segments = await asyncio.to_thread(self._committed, name, length)
         if segments is None:
             raise FileNotFoundError(f"the committed segments of {name} up to {length} bytes are not in the store")
+        self._segments.setdefault(name, []).extend(segments)
         partial = path.with_name(f".{path.name}.adopt")
         async with aiofiles.open(partial, "wb") as out:
             for segment in segments:
@@ -209,12 +226,27 @@ class ObjectStorage(Storage):
 
     async def delete(self, name: str) -> None:
         """The object, its local copy, and, for a part, its segments."""
+        self._segments.pop(name, None)
         await super().delete(name)
         await obstore.delete_async(self.store, name)
         if name.endswith(".part"):
             segments = [meta["path"] for meta in await obstore.list(self.store, prefix=name).collect_async()]
             if segments:
                 await obstore.delete_async(self.store, segments)
+
+    async def delete_all(self, names: Sequence[str]) -> None:
+        """Their local copies, then the objects and the parts' segments in one bulk delete (as many as a request
+        takes); a part this process never shipped nor downloaded is listed first."""
+        stored = []
+        for name in names:
+            await super().delete(name)
+            stored.append(name)
+            if name.endswith(".part"):
+                known = self._segments.pop(name, None)
+                if known is None:
+                    known = [meta["path"] for meta in await obstore.list(self.store, prefix=name).collect_async()]
+                stored.extend(known)
+        await obstore.delete_async(self.store, stored)
 
     def exists(self, name: str) -> bool:
         refuse_on_loop("obstore.head")
@@ -223,6 +255,20 @@ class ObjectStorage(Storage):
         except FileNotFoundError:
             return False
         return True
+
+
+async def _first_part(chunks: AsyncIterator[bytes], max_bytes: int) -> tuple[bytes, int]:
+    """The stream's first bytes, up to a part's and a chunk beyond (or all of it, if it ends first), and their size;
+    UploadTooLarge past `max_bytes`."""
+    head = bytearray()
+    while len(head) <= UPLOAD_PART_BYTES:
+        chunk = await anext(chunks, None)
+        if chunk is None:
+            break
+        head += chunk
+        if len(head) > max_bytes:
+            raise UploadTooLarge(len(head))
+    return bytes(head), len(head)
 
 
 def _chain(ends: dict[int, list[int]], length: int) -> list[tuple[int, int]] | None:

@@ -170,6 +170,11 @@ class Storage:
     async def delete(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
 
+    async def delete_all(self, names: Sequence[str]) -> None:
+        """Every one of `names` (a batch's run files as it ends), with their segments in an object store."""
+        for name in names:
+            await self.delete(name)
+
     def exists(self, name: str) -> bool:
         return self.path(name).exists()
 

@@ -203,8 +203,7 @@ async def _commit_then_delete(run: Run, wanted: BatchStatus, commit: End) -> Bat
 
 
 async def _delete_all(storage: Storage, names: Sequence[str]) -> None:
-    for name in names:
-        await storage.delete(name)
+    await storage.delete_all(names)
 
 
 async def _unstoppable(work: Coroutine[Any, Any, T]) -> T:
@@ -231,7 +230,7 @@ async def _result_file(run: Run, appender: ResultAppender, kind: str) -> FileRow
         created_ns=clock.now_ns(),
         created_at=created,
         expires_at=created + ttl,
-        bytes=await storage.size(file_id),
+        bytes=appender.bytes,  # closed: the whole part, as stored
         filename=f"{row.id}_{kind}.jsonl",
         purpose=files.OUTPUT_PURPOSE,
         batch_id=row.id,

@@ -1,0 +1,78 @@
+"""What a fleet asks of its S3 store, counted in the store's own request log (moto's server, issue 41): an upload no
+larger than a part is one PUT, not a multipart upload's three, and a batch's run files go at its end in one bulk
+delete, listing only the parts its process never shipped nor downloaded."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import obstore
+import pytest
+
+from app.core.object_storage import UPLOAD_PART_BYTES, ObjectStorage
+from app.domain.results import run_files
+from app.testing import LocalS3
+
+REQUEST = re.compile(r'"(GET|PUT|POST|DELETE|HEAD) (\S+) HTTP/[\d.]+" \d+')
+
+
+@pytest.fixture
+def storage(s3: LocalS3, tmp_path: Path) -> ObjectStorage:
+    return ObjectStorage(s3.new_url(), tmp_path / "scratch")
+
+
+@contextmanager
+def requests_to(s3: LocalS3) -> Iterator[Counter[str]]:
+    """The requests the store answers meanwhile, by method and the query that names what they do."""
+    log = Path(s3.log.name)
+    start = log.stat().st_size
+    counted: Counter[str] = Counter()
+    yield counted
+    with log.open("rb") as lines:
+        lines.seek(start)
+        for method, path in REQUEST.findall(lines.read().decode(errors="replace")):
+            query = path.partition("?")[2].split("=")[0]
+            counted[f"{method} ?{query}" if query else method] += 1
+
+
+async def chunks(total: int, size: int = 65536) -> AsyncIterator[bytes]:
+    for start in range(0, total, size):
+        yield bytes([start // size % 251]) * min(size, total - start)
+
+
+def test_an_upload_no_larger_than_a_part_is_one_request(s3, storage):
+    with requests_to(s3) as counted:
+        assert asyncio.run(storage.save_stream("file-small", chunks(200_000), max_bytes=10**9)) == 200_000
+    assert counted == Counter({"PUT": 1})
+    large = UPLOAD_PART_BYTES + 300_000  # still a multipart upload, whole
+    assert asyncio.run(storage.save_stream("file-large", chunks(large), max_bytes=10**9)) == large
+    stored = asyncio.run(storage.read_bytes("file-large"))
+    assert len(stored) == large and stored[-1:] == bytes([(large - 1) // 65536 % 251])
+
+
+def test_a_batch_s_run_files_go_in_one_bulk_delete(s3, storage):
+    batch_id = "batch_fleet"
+    names = run_files(batch_id, last_token=2)  # the parts of tokens 0, 1 and 2, its index and its input
+    earlier_output = names[2]  # token 1's output part, shipped by another process that died
+    for name, data in ((f"{batch_id}.index", b"i"), (f"{batch_id}.input", b"in")):
+        asyncio.run(storage.save_bytes(name, data))
+    obstore.put(storage.store, f"{earlier_output}/{0:016d}-{4:016d}", b"ab\ncd")
+
+    async def run() -> None:
+        own = [storage.path(name) for name in names[4:6]]  # token 2's: this process's run
+        ship = await storage.begin_parts(names[2:4], [0, 0], own)
+        for path in own:
+            path.write_bytes(b"x\n")
+        await ship((2, b"x\n"), (2, b"x\n"))
+        with requests_to(s3) as counted:
+            await storage.delete_all(names)
+        # Tokens 0 and 1's parts were never seen here: listed. Token 2's segments are known. One delete for all.
+        assert counted == Counter({"GET ?list-type": 4, "POST ?delete": 1})
+
+    asyncio.run(run())
+    assert [meta["path"] for batch in obstore.list(storage.store) for meta in batch] == []
