@@ -97,14 +97,17 @@ def test_an_online_prompt_no_step_computed_in_ten_seconds_is_no_longer_counted_a
 
 def test_the_budget_is_the_batchs_part_of_a_step_less_its_decode_or_the_one_set():
     steps = steps_costing(fixed=0.01, per_prefill=2e-5, per_decode=1e-4)
+    now = Clock()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=16384, now=now)
     steps.record(EngineStep(0.01 + 1e-4 * 200, 0, 200))  # the last step decoded 200 tokens
-    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=16384)
     # A tenth of 500 ms is the batch's: 20 ms of it decode, 30 ms left at 20 us a prompt token.
     assert pacer.budget() == pytest.approx(1500, abs=2)
     assert pacer.ramp_budget() == 2048  # a new batch's first wave: an eighth of the engine's step budget
     assert PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=16384, budget_tokens=300).budget() == 300
     steps.record(EngineStep(0.01 + 1e-4 * 900, 0, 900))  # decode alone over the batch's part: a line a step
     assert pacer.budget() == 1
+    now.now += pacing.STEP_FRESH_SECONDS + 0.1  # no step since: that decode is over
+    assert pacer.budget() == 2500
     unmeasured = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=4096)
     assert unmeasured.budget() == 512  # nothing measured yet: an eighth of the step budget
     small_steps = PrefillPacer(steps=EngineSteps(), ttft_target_seconds=0.5, max_step_tokens=512, budget_tokens=40)
@@ -167,6 +170,25 @@ async def _waits_for_the_next_step() -> None:
     await pacer.opened()  # no step reported: on its own after about two of the last one (0.2 s)
     assert 0.3 <= time.monotonic() - started < 2.0
     assert admitted(pacer, [30]) == [30]
+
+
+def test_an_idle_engine_forgives_what_a_large_line_left_owing_so_a_batch_never_waits_on_nothing():
+    asyncio.run(_idle_engine_forgives())
+
+
+async def _idle_engine_forgives() -> None:
+    steps = EngineSteps()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=1)
+    pacer.activate(True)  # live traffic about (a live request in flight), and a budget of one token a step
+    steps.record(EngineStep(0.001, 0, 0))
+    assert admitted(pacer, [5000, 300]) == [5000]  # alone: 4,999 tokens owed, paid a token a step
+    steps.record(EngineStep(0.001, 0, 0))
+    assert admitted(pacer, [300]) == []
+    started = time.monotonic()
+    while not pacer.fits(300):  # no step comes (the engine is idle): a refill each 2 ms would take 10 s
+        await pacer.opened()
+        assert time.monotonic() - started < pacing.IDLE_FORGIVE_SECONDS + 2 * pacing.MAX_REFILL_SECONDS
+    assert time.monotonic() - started >= pacing.IDLE_FORGIVE_SECONDS - 0.1
 
 
 def test_lines_reach_the_engine_in_their_order_when_one_waits_for_the_pace_and_a_smaller_one_would_fit():

@@ -10,10 +10,11 @@ The rule. While the window says live traffic is about (`active`), the batch line
 most `budget()` prompt tokens per engine step: each step the engine reports (`on_step`) gives the pace that many
 tokens again (what a step leaves unused is not kept), and a line waits, in order, until its tokens fit (a line
 larger than the whole budget goes alone, and the steps after pay for it). With no step reported for a while (an idle
-engine reports none) the pace refills on its own after about a step. The budget is `VBATCH_LIVE_PREFILL_TOKENS`, or
+engine reports none) the pace refills on its own after about a step, and after `IDLE_FORGIVE_SECONDS` with its debt
+forgiven: a batch never waits on the pace of an engine that runs nothing. The budget is `VBATCH_LIVE_PREFILL_TOKENS`, or
 derived: the batch's part of a step a live request waits on is held to `LIVE_STEP_SHARE` of the live TTFT target
 (50 ms of the default 500), and what the engine's fitted step cost (`app.engine.steps`) says its decode already
-takes of that leaves the prompt tokens that fit (at least one line a step: the batch always progresses), never more
+takes of that (its last step's, while steps come) leaves the prompt tokens that fit (at least one line a step: the batch always progresses), never more
 than the engine's own step budget. With data-parallel ranks each rank's step refills it.
 
 A new batch's first wave (the first `wave` lines a run hands over, `ramp`) is paced whatever the traffic, at no
@@ -59,8 +60,12 @@ DEFAULT_STEP_SECONDS = 0.05
 # The pace refills on its own after this many of the last step's seconds without a report (an idle engine).
 IDLE_STEPS = 2.0
 MIN_REFILL_SECONDS, MAX_REFILL_SECONDS = 0.005, 1.0
-# The KV cache's last reported use counts only this long (an idle engine reports none).
-KV_FRESH_SECONDS = 1.0
+# The last step's KV cache use and decode count only this long (an idle engine reports none).
+STEP_FRESH_SECONDS = 1.0
+# With no step reported this long, what a line larger than the budget left owing is forgiven: the engine is idle, so
+# its prefill is done (the steps that would pay for it never come, and a debt paid a refill at a time held a 1-line
+# batch 600 s behind a budget of one token, derived from a decode long finished).
+IDLE_FORGIVE_SECONDS = 2.0
 # The estimate's correction moves this far towards each answered line's own ratio.
 CALIBRATION_WEIGHT = 0.02
 
@@ -150,7 +155,7 @@ class PrefillPacer:
             # No step measured yet: an eighth of the engine's step budget, as a new batch's first wave.
             return int(self.max_step_tokens * RAMP_SHARE)
         batch_seconds = self.ttft_target_seconds * LIVE_STEP_SHARE
-        last = self.steps.last()
+        last = self.steps.last() if self._stepping() else None
         decoding = (costs.per_decode or 0.0) * (last.decode_tokens if last is not None else 0)
         return int(max(0.0, batch_seconds - decoding) / costs.per_prefill)
 
@@ -186,7 +191,7 @@ class PrefillPacer:
             await asyncio.wait_for(self._refilled.wait(), timeout=self._refill_after())
         except TimeoutError:
             if self._refilled_at == refilled_at:  # one refill for every line that waited for it
-                self._refill(self._pacing_now())
+                self._refill(self._pacing_now(), forgive=self._now() - self._last_step_at >= IDLE_FORGIVE_SECONDS)
 
     def _pacing(self, ramp: bool) -> bool:
         # A target of 0 turns the live protections off, a first wave's pace with them; an engine whose own step budget
@@ -208,7 +213,7 @@ class PrefillPacer:
 
     def _kv_room(self, tokens: int) -> bool:
         usage, size = self.steps.kv_usage, self.steps.kv_tokens
-        if usage is None or not size or self._now() - self._last_step_at > KV_FRESH_SECONDS:
+        if usage is None or not size or not self._stepping():
             return True
         return (1.0 - usage) * size - self.live_reserve() >= tokens
 
@@ -216,9 +221,16 @@ class PrefillPacer:
         step = self._last_step_seconds or DEFAULT_STEP_SECONDS
         return min(MAX_REFILL_SECONDS, max(MIN_REFILL_SECONDS, IDLE_STEPS * step))
 
-    def _refill(self, budget: int) -> None:
-        """A step's worth again; a debt (a line larger than what was left) is paid first."""
-        self._allowance = min(budget, self._allowance + budget) if self._refilled_at > -math.inf else budget
+    def _stepping(self) -> bool:
+        """Whether the engine reported a step lately."""
+        return self._now() - self._last_step_at <= STEP_FRESH_SECONDS
+
+    def _refill(self, budget: int, *, forgive: bool = False) -> None:
+        """A step's worth again; a debt (a line larger than what was left) is paid first, unless `forgive`n."""
+        if forgive or self._refilled_at == -math.inf:
+            self._allowance = budget
+        else:
+            self._allowance = min(budget, self._allowance + budget)
         self._refilled_at = self._now()
         self._refilled.set()
 
