@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 import sys
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +14,7 @@ from openai import OpenAI
 
 from app.engine import default_model
 from app.testing import VbatchServer, free_port
+from tests.helpers import wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model.NAME
@@ -63,10 +66,20 @@ def server(tmp_path_factory, model_path) -> Iterator[VbatchServer]:
     try:
         running.wait_ready(timeout=STARTUP_SECONDS)
         yield running
+        # Every online request the session sent was counted out: once quiet, batch lines are paced no more (one
+        # counted forever would pace every batch after it).
+        wait_for(lambda: _paced(running) == 0.0, timeout=30)
     finally:
         running.stop()
         log = (base / "serve.log").read_text(errors="replace")
         sys.stderr.write(f"\n--- last lines of the e2e server log ---\n{log[-4000:]}\n")
+
+
+def _paced(server: VbatchServer) -> float | None:
+    request = urllib.request.Request(f"{server.base_url}/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"})
+    with urllib.request.urlopen(request, timeout=10) as answer:
+        found = re.search(r"^vbatch_batch_paced ([0-9.]+)$", answer.read().decode(), re.MULTILINE)
+    return float(found.group(1)) if found else None
 
 
 @pytest.fixture(scope="session")

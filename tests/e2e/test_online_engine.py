@@ -179,3 +179,13 @@ def test_an_online_request_into_a_full_engine_withdraws_batch_lines_which_run_ag
     assert {line["response"]["body"]["usage"]["completion_tokens"] for line in output} == {48}
     scraped = client.get("/metrics").text
     assert f"vbatch_batch_lines_withdrawn_total {float(window.withdrawn)}" in scraped
+
+
+def test_every_online_request_above_leaves_the_window_and_the_pace_stops_once_quiet(service):
+    """Answered, streamed, refused and closed early (the tests above): each online request the window counted in is
+    counted out, so batch lines are no longer paced once the traffic is quiet (one counted forever paced every batch
+    after it, and its debt once held a 1-line batch 600 s)."""
+    window = service._ctx.window  # type: ignore[union-attr]
+    wait_for(lambda: window.online.in_flight == 0 and not window.pacer.active, timeout=30)
+    _, pace = service.engine_steps()
+    assert pace is not None and not pace.active
