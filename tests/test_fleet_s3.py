@@ -1,11 +1,13 @@
 """What a fleet asks of its S3 store, counted in the store's own request log (moto's server, issue 41): an upload no
-larger than a part is one PUT, not a multipart upload's three, and a batch's run files go at its end in one bulk
-delete, listing only the parts its process never shipped nor downloaded."""
+larger than a part is one PUT, not a multipart upload's three, a batch's run files go at its end in one bulk delete,
+listing only the parts its process never shipped nor downloaded, and a running batch ships a segment at one checkpoint
+in ten, not at each."""
 
 from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
@@ -17,6 +19,7 @@ import pytest
 from app.core.object_storage import UPLOAD_PART_BYTES, ObjectStorage
 from app.domain.results import run_files
 from app.testing import LocalS3
+from tests.helpers import create_batch, jsonl, request_line, upload, wait_status
 
 REQUEST = re.compile(r'"(GET|PUT|POST|DELETE|HEAD) (\S+) HTTP/[\d.]+" \d+')
 
@@ -27,17 +30,26 @@ def storage(s3: LocalS3, tmp_path: Path) -> ObjectStorage:
 
 
 @contextmanager
-def requests_to(s3: LocalS3) -> Iterator[Counter[str]]:
-    """The requests the store answers meanwhile, by method and the query that names what they do."""
+def requests_to_paths(s3: LocalS3) -> Iterator[list[tuple[str, str]]]:
+    """The requests the store answers meanwhile: (method, path)."""
     log = Path(s3.log.name)
     start = log.stat().st_size
-    counted: Counter[str] = Counter()
-    yield counted
+    seen: list[tuple[str, str]] = []
+    yield seen
     with log.open("rb") as lines:
         lines.seek(start)
-        for method, path in REQUEST.findall(lines.read().decode(errors="replace")):
-            query = path.partition("?")[2].split("=")[0]
-            counted[f"{method} ?{query}" if query else method] += 1
+        seen.extend(REQUEST.findall(lines.read().decode(errors="replace")))
+
+
+@contextmanager
+def requests_to(s3: LocalS3) -> Iterator[Counter[str]]:
+    """The requests the store answers meanwhile, by method and the query that names what they do."""
+    counted: Counter[str] = Counter()
+    with requests_to_paths(s3) as seen:
+        yield counted
+    for method, path in seen:
+        query = path.partition("?")[2].split("=")[0]
+        counted[f"{method} ?{query}" if query else method] += 1
 
 
 async def chunks(total: int, size: int = 65536) -> AsyncIterator[bytes]:
@@ -76,3 +88,20 @@ def test_a_batch_s_run_files_go_in_one_bulk_delete(s3, storage):
 
     asyncio.run(run())
     assert [meta["path"] for batch in obstore.list(storage.store) for meta in batch] == []
+
+
+@pytest.mark.parametrize("backend", ["postgres_s3"], indirect=True)
+def test_a_batch_ships_a_segment_every_tenth_checkpoint_not_every_one(s3, client, fake_engine, backend):
+    # Each answer takes its own while (on a thread), so results come in all the time, not in waves.
+    fake_engine.executor.before_answer = lambda body: time.sleep(0.02 + 0.1 * (hash(str(body)) % 7) / 7)
+    source = upload(client, jsonl([request_line(f"r{i}") for i in range(160)]))
+    with requests_to_paths(s3) as paths:
+        started = time.monotonic()
+        batch = create_batch(client, source["id"])
+        done = wait_status(client, batch["id"], {"completed"}, timeout=60)
+        seconds = time.monotonic() - started
+    assert done["request_counts"]["completed"] == 160
+    segments = [path for method, path in paths if method == "PUT" and ".output.part/" in path]
+    checkpoints = seconds / 0.05  # the tests' checkpoint_seconds
+    assert checkpoints > 20  # long enough that every checkpoint shipping would show
+    assert len(segments) <= checkpoints / 10 + 2

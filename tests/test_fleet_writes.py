@@ -23,7 +23,7 @@ from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow, FileRow
 from app.domain.schemas import CreateBatchRequest
 from app.domain.workers import WorkerState
-from app.engine.holder import LeaseHolder
+from app.engine.holder import REREAD_SECONDS, LeaseHolder
 from app.engine.runs import Runs
 from app.testing import add_running_batches
 from tests.helpers import app_on
@@ -89,15 +89,24 @@ def test_a_look_for_work_renews_once_a_third_of_a_lease_has_passed_and_reads_onl
     add_running_batches(db, 40)  # a queue: the fleet's other batches
     holder = LeaseHolder(Runs(), serves=lambda: ["fake-model"])
     holder.hold_at_most = 2
-    held = asyncio.run(holder.hold(db, settings))
-    assert len(held) == 2
-    with sent(db) as statements, rows_read() as loaded:
-        asyncio.run(holder.hold(db, settings))  # full, and renewed a moment ago: it reads its two batches
-    assert len(statements) == 1 and sorted(loaded) == sorted(row.id for row in held)
+    with rows_read() as loaded:
+        held = asyncio.run(holder.hold(db, settings))  # it claims two, and reads those two
+    assert len(held) == 2 and sorted(loaded) == sorted([row.id for row in held] * 2)  # the claim's and the look's
+    with sent(db) as statements:
+        assert asyncio.run(holder.hold(db, settings)) == held  # full, renewed and read a moment ago: nothing to send
+    assert statements == []
     holder._renewed_at = time.monotonic() - 11  # a third of the lease ago
     with sent(db) as statements:
         asyncio.run(holder.hold(db, settings))
-    assert [sql.lstrip().split()[0].upper() for sql in statements] == ["UPDATE", "SELECT"]
+    assert [sql.lstrip().split()[0].upper() for sql in statements] == ["UPDATE"]  # every lease in one
+    holder._read_at = time.monotonic() - REREAD_SECONDS
+    with sent(db) as statements, rows_read() as loaded:
+        asyncio.run(holder.hold(db, settings))
+    assert len(statements) == 1 and sorted(loaded) == sorted(row.id for row in held)  # its own two, none other
+    holder.runs.ended += 1  # a run has ended: its batch may have
+    with sent(db) as statements:
+        asyncio.run(holder.hold(db, settings))
+    assert len(statements) == 1
 
 
 def test_a_checkpoint_is_one_statement_that_renews_the_lease_and_reports_a_cancel(db):

@@ -487,14 +487,32 @@ def save_checkpoint(
     renewed for `lease_seconds` if given; with `live`, the run's live numbers. Returns the batch's status as the
     checkpoint found it: a cancel that came meanwhile shows."""
     values: dict[str, object] = {"output_bytes_done": output_bytes, "error_bytes_done": error_bytes, **vars(progress)}
-    statement = update(BatchRow).where(col(BatchRow.id) == batch_id)
     if lease is not None:
         values["parts_token"] = lease.token
-        if lease_seconds is not None:
-            values["lease_expires_ns"] = clock.now_ns() + int(lease_seconds * 1e9)
+    return _save_run(db, batch_id, values, lease, lease_seconds, live)
+
+
+def save_live(*, db: Engine, batch_id: str, lease: Lease, lease_seconds: float, live: RunStats | None) -> BatchStatus:
+    """Between two checkpoints: the run's live numbers and its lease renewed, in one statement (`save_checkpoint`'s
+    terms); its counts stay those of its last checkpoint."""
+    return _save_run(db, batch_id, {}, lease, lease_seconds, live)
+
+
+def _save_run(
+    db: Engine,
+    batch_id: str,
+    values: dict[str, object],
+    lease: Lease | None,
+    lease_seconds: float | None,
+    live: RunStats | None,
+) -> BatchStatus:
+    statement = update(BatchRow).where(col(BatchRow.id) == batch_id)
+    if lease is not None:
         statement = statement.where(
             col(BatchRow.lease_token) == lease.token, col(BatchRow.lease_holder) == lease.holder
         )
+        if lease_seconds is not None:
+            values["lease_expires_ns"] = clock.now_ns() + int(lease_seconds * 1e9)
     if live is not None:
         values["live_json"] = live.model_dump_json(exclude={"series"})
     with write_scope(db) as session:

@@ -28,6 +28,10 @@ log = logging.getLogger("vbatch.engine")
 # Leases are renewed this many times in a lease's length: one renewal may fail (the database away for a moment)
 # and the next still comes in time.
 RENEWALS_PER_LEASE = 3
+# A look reads the rows of the batches it holds again only when they may have changed under it (a claim, a run that
+# ended) or after this long (the watchdog's clock); between, a run reads its own batch, and a batch waiting for its
+# turn its own, when that matters.
+REREAD_SECONDS = 10.0
 
 
 class LeaseHolder:
@@ -43,6 +47,10 @@ class LeaseHolder:
         # At most this many batches at once (None: every active batch, as `vbatch serve` alone does).
         self.hold_at_most: int | None = None
         self._renewed_at = -float("inf")  # time.monotonic() of the last renewal
+        self._rows: dict[str, BatchRow] = {}  # the active batches it held at the last read, oldest first
+        self._read: set[str] = set()  # the batches it held then
+        self._read_at = -float("inf")
+        self._runs_ended = 0  # `Runs.ended` then
 
     async def _models(self, db: Engine) -> Collection[str] | None:
         """The models of the batches it claims: beside other workers, those it serves (`leases.claim`) and the
@@ -68,7 +76,7 @@ class LeaseHolder:
         room = None if self.hold_at_most is None else self.hold_at_most - len(self.runs)
         if room is None or room > 0:
             await self._claim(db, settings, room)
-        rows = await asyncio.to_thread(batches.active_among, db=db, batch_ids=self.runs.ids())
+        rows = await self._held_rows(db)
         active = {row.id for row in rows}
         for batch_id in [b for b in self.runs.ids() if b not in active and not self.runs.running(b)]:
             lease = self.runs.lease(batch_id)
@@ -77,6 +85,18 @@ class LeaseHolder:
             await asyncio.to_thread(leases.end, db=db, lease=lease)
             self.runs.drop(batch_id)
         return rows
+
+    async def _held_rows(self, db: Engine) -> list[BatchRow]:
+        """The active batches it holds, oldest first: read again after a claim or a run's end, and every
+        `REREAD_SECONDS`; else as last read."""
+        held = self.runs.ids()
+        now = time.monotonic()
+        if now - self._read_at >= REREAD_SECONDS or self._runs_ended != self.runs.ended or not self._read >= set(held):
+            ended = self.runs.ended  # before the read: a run that ends during it is read again next time
+            rows = await asyncio.to_thread(batches.active_among, db=db, batch_ids=held)
+            self._rows = {row.id: row for row in rows}
+            self._read, self._read_at, self._runs_ended = set(held), now, ended
+        return [row for batch_id, row in self._rows.items() if batch_id in self.runs]
 
     def has_room(self) -> bool:
         return self.hold_at_most is None or len(self.runs) < self.hold_at_most

@@ -34,6 +34,7 @@ class Runs:
         self._held: dict[str, Held] = {}
         # Batches whose run raised something unexpected: not run again in a loop, picked up again at the next start.
         self._broken: set[str] = set()
+        self.ended = 0  # runs ended so far: the lease holder reads its batches again after one has
 
     # The leases.
 
@@ -98,6 +99,7 @@ class Runs:
 
     def finished(self, batch_id: str, *, broke: bool = False) -> None:
         """Called by the run's task as it ends."""
+        self.ended += 1
         held = self._held.get(batch_id)
         if held is not None and held.task is asyncio.current_task():
             held.task = None
