@@ -67,11 +67,11 @@ class Storage:
                         self.check_room(len(chunk))
                     await out.write(chunk)
                 await out.flush()
-                os.fsync(out.fileno())
+                await asyncio.to_thread(os.fsync, out.fileno())  # up to the whole upload's bytes: seconds
             await aiofiles.os.replace(partial, final)
-            _fsync_dir(self.root)
+            await asyncio.to_thread(_fsync_dir, self.root)
         except BaseException as exc:
-            partial.unlink(missing_ok=True)
+            await _remove(partial)
             if isinstance(exc, OSError) and is_disk_full(exc):
                 self.reserve.release()
                 raise DiskFull(str(exc)) from exc
@@ -129,9 +129,9 @@ class Storage:
         await self._link(part, name)
 
     async def _link(self, existing: Path, new: str) -> None:
-        self.path(new).unlink(missing_ok=True)
+        await _remove(self.path(new))
         await aiofiles.os.link(existing, self.path(new))
-        _fsync_dir(self.root)
+        await asyncio.to_thread(_fsync_dir, self.root)
 
     async def local_path(self, name: str) -> Path:
         """A path to read the stored bytes of `name` from (FileNotFoundError, when opened, if there are none)."""
@@ -168,7 +168,7 @@ class Storage:
         return (await aiofiles.os.stat(self.path(name))).st_size
 
     async def delete(self, name: str) -> None:
-        self.path(name).unlink(missing_ok=True)
+        await _remove(self.path(name))
 
     async def delete_all(self, names: Sequence[str]) -> None:
         """Every one of `names` (a batch's run files as it ends), with their segments in an object store."""
@@ -217,6 +217,12 @@ def keep_private(data_dir: Path) -> None:
             path = os.path.join(directory, name)
             if not os.path.islink(path):
                 os.chmod(path, os.stat(path).st_mode & 0o700)
+
+
+async def _remove(path: Path) -> None:
+    """Unlink off the loop (a large file's blocks are freed as it goes); shielded, so that a cancelled upload still
+    leaves no partial file."""
+    await asyncio.shield(asyncio.to_thread(path.unlink, missing_ok=True))
 
 
 def _fsync_dir(directory: Path) -> None:
