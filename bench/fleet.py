@@ -96,15 +96,26 @@ class Shape:
 _TABLE = re.compile(r"\b(?:FROM|UPDATE|INTO|JOIN)\s+\"?(\w+)", re.IGNORECASE)
 
 
+_SET = re.compile(r"\bSET\s+(\w+)=", re.IGNORECASE)
+
+
 def statement_kind(sql: str) -> str:
-    """`UPDATE batches`, `SELECT files`, `SELECT pg_notify`, ...: the verb and the first table it names."""
+    """`UPDATE batches SET output_bytes_done` (a checkpoint), `SELECT batches by id` (a poll, or a run reading its
+    row), `SELECT files`, `SELECT pg_notify`, ...: the verb, the first table it names, and what tells it apart."""
     text = sql.lstrip().lstrip("(")
     verb = text.split(None, 1)[0].upper() if text else "?"
     for function in ("pg_notify", "pg_advisory_xact_lock", "pg_try_advisory", "pg_stat"):
         if function in text:
             return f"{verb} {function}"
     table = _TABLE.search(text)
-    return f"{verb} {table.group(1)}" if table else verb
+    kind = f"{verb} {table.group(1)}" if table else verb
+    if verb == "UPDATE" and (column := _SET.search(text)):
+        kind += f" SET {column.group(1)}"
+    elif verb == "SELECT" and table and f"WHERE {table.group(1)}.id = %(pk_1)s" in text:
+        kind += " by id"
+    elif verb == "SELECT" and "FOR UPDATE" in text:
+        kind += " FOR UPDATE"
+    return kind
 
 
 class Counts:
@@ -500,6 +511,7 @@ class Fleet:
         self.sampling = True
         self._s3_offset = 0
         self._s3_seen: Counter[str] = Counter()
+        self._s3_lock = threading.Lock()
 
     def env(self, database_url: str, storage_env: dict, storage_url: str, pool_size: int) -> dict:
         keys = ",".join(f"sk-fleet-{n:04d}" for n in range(self.shape.keys))
@@ -599,21 +611,21 @@ class Fleet:
                     host.send_signal(signal.SIGCONT)
         self.mark("resumed")
         if self.shape.kill:
-            self.kill_mid_batch(db_url)
+            self.kill_mid_batch(db_url, client)
 
     def mark(self, phase: str) -> None:
         self.phases[phase] = time.time()
         self.snapshots[phase] = {"counts": read_counts(self.out), "s3": dict(self.s3_seen())}
 
     def s3_seen(self) -> Counter[str]:
-        """The store's requests so far (its log read on from where the last look stopped)."""
-        with (self.out / "moto.log").open("rb") as log:
+        """The store's requests so far (its log read on from where the last look stopped), a copy."""
+        with self._s3_lock, (self.out / "moto.log").open("rb") as log:
             log.seek(self._s3_offset)
             data = log.read()
-        complete = data.rfind(b"\n") + 1
-        self._s3_offset += complete
-        self._s3_seen.update(s3_requests(data[:complete].decode(errors="replace")))
-        return self._s3_seen
+            complete = data.rfind(b"\n") + 1
+            self._s3_offset += complete
+            self._s3_seen.update(s3_requests(data[:complete].decode(errors="replace")))
+            return Counter(self._s3_seen)
 
     def sample(self, db_url: str, pids: dict[str, list[int]]) -> None:
         """Every half second: connections the server has open, its transactions, lines done, batches waiting for a
@@ -629,19 +641,20 @@ class Fleet:
                 self.samples.append({
                     "at": time.time(), "connections": row[0], "xacts": row[1], "lines": row[2], "waiting": row[3],
                     "ended": row[4], "statements": sum(sum(c["statements"].values()) + c["pings"] for c in counts),
-                    "s3": sum(self.s3_seen().values()),
+                    "s3": sum((seen := self.s3_seen()).values()), "s3_kinds": dict(seen),
                     "cpu": {part: _cpu_seconds(ids) for part, ids in list(pids.items())},
                 })  # fmt: skip
                 time.sleep(0.5)
 
-    def kill_mid_batch(self, db_url: str) -> None:
-        """Once the victim worker holds a batch it has answered some lines of, SIGKILL its process."""
+    def kill_mid_batch(self, db_url: str, client: subprocess.Popen) -> None:
+        """Once the victim worker holds a batch it has answered some lines of, SIGKILL its process. Given up when
+        the clients end first (batches of one step's lines are never part done), so the run's end is not held."""
         from app.core.db import make_engine
 
         victim = self.processes["victim"]
         db = make_engine(db_url)
         try:
-            while victim.poll() is None:
+            while victim.poll() is None and client.poll() is None:
                 held = _held_by(db, victim.pid)
                 if [row for row in held if 0 < row.completed < row.total]:
                     victim.send_signal(signal.SIGKILL)
@@ -812,7 +825,9 @@ def summarise(fleet: Fleet, rows: list, clients: dict) -> dict:
         "pickup_ms": spread(pickup),
         "fairness": fairness(rows, made, ends, claims),
         "takeover": takeover(fleet.kill, claims, rows, shape),
-        "backlog": backlog_window(fleet),
+        "pickup_phase": pickup_window(fleet),
+        "creation": creation_window(fleet, sum(1 for m in made.values() if m["phase"] == "backlog")),
+        "backlog": with_polls(backlog_window(fleet), clients["poll_ms"]),
         "whole_run": costs(fleet.samples[0] if fleet.samples else {}, fleet.samples[-1] if fleet.samples else {}),
         "connections": connections(fleet.samples),
         "cpu": cpu_shares(fleet.samples, clients["cpu_seconds"]),
@@ -885,8 +900,51 @@ def backlog_window(fleet: Fleet) -> dict:
         return {}
     first, last = after[0], after[busy]
     found = costs(first, last)
-    found["by_kind"] = kinds(fleet.snapshots.get("resumed", {}), {"counts": read_counts_at(fleet, last["at"])})
+    found["statements_by_kind"] = kinds(
+        fleet.snapshots.get("resumed", {}), {"counts": read_counts_at(fleet, last["at"])}
+    )
+    found["s3_by_kind"] = dict((Counter(last["s3_kinds"]) - Counter(first["s3_kinds"])).most_common())
     return found
+
+
+def pickup_window(fleet: Fleet) -> dict:
+    """From the start to the backlog: workers mostly idle, a batch now and then. What an idle worker costs the
+    database a second (its looks for work, beats and renewals), the batches' own statements included."""
+    before, after = fleet.snapshots.get("start"), fleet.snapshots.get("backlog-starting")
+    if not before or not after:
+        return {}
+    seconds = fleet.phases["backlog-starting"] - fleet.phases["start"]
+    by_kind = kinds(before, after).get("worker", {})
+    per_worker_second = {kind: round(n / seconds / fleet.shape.workers, 3) for kind, n in by_kind.items()}
+    return {"seconds": round(seconds, 1), "worker_statements_per_worker_second": per_worker_second}
+
+
+def creation_window(fleet: Fleet, created: int) -> dict:
+    """While the backlog was created (the workers stopped): what a create costs the API replicas, polls aside."""
+    before, after = fleet.snapshots.get("backlog-starting"), fleet.snapshots.get("backlog-created")
+    if not before or not after or not created:
+        return {}
+    by_kind = kinds(before, after).get("api", {})
+    statements = sum(number for kind, number in by_kind.items() if kind != "SELECT batches by id")
+    s3 = Counter(after["s3"]) - Counter(before["s3"])
+    return {
+        "batches_created": created,
+        "statements_per_batch": round(statements / created, 2),
+        "statements_by_kind": {
+            kind: round(n / created, 2) for kind, n in by_kind.items() if kind != "SELECT batches by id"
+        },
+        "s3_per_batch": round(sum(s3.values()) / created, 2),
+        "s3_by_kind": {kind: round(n / created, 2) for kind, n in s3.items()},
+    }
+
+
+def with_polls(window: dict, polls: list) -> dict:
+    """The window's polls, and the statements each cost its replica."""
+    if not window:
+        return window
+    answered = sum(1 for at, _ in polls if window["from"] <= at <= window["until"])
+    reads = window["statements_by_kind"].get("api", {}).get("SELECT batches by id", 0)
+    return window | {"polls": answered, "statements_per_poll": round(reads / answered, 3) if answered else None}
 
 
 def read_counts_at(fleet: Fleet, at: float) -> list[dict]:
@@ -902,6 +960,8 @@ def costs(first: dict, last: dict) -> dict:
     statements = last["statements"] - first["statements"]
     s3 = last["s3"] - first["s3"]
     return {
+        "from": first["at"],
+        "until": last["at"],
         "seconds": round(seconds, 1),
         "lines_per_s": round(lines / seconds, 1),
         "batches_per_s": round(ended / seconds, 2),
@@ -1041,6 +1101,7 @@ def drive(fleet: Fleet, shape: Shape, urls: list[str], db_url: str, postgres, s3
         "workers": [p.pid for p in fleet.hosts()],
         **({"pgbouncer": [bouncer.process.pid]} if bouncer else {}),
     }
+    fleet.mark("start")
     sampler = threading.Thread(target=fleet.sample, args=(db_url, parts), daemon=True)
     sampler.start()
     client = fleet.start("clients", ["clients", "--shape", json.dumps(asdict(shape)), "--urls", ",".join(urls),
