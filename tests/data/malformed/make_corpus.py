@@ -1,6 +1,6 @@
 """Writes the malformed-batch corpus beside this file, with expected.json: for each file, the first error's
 code and line (None for a file-level error). Run once; the files are committed. Limits the corpus assumes:
-model "fake-model", at most 20 requests, lines up to 20,000 bytes, n up to 8 (tests/test_corpus.py)."""
+model "fake-model", at most 20 requests, lines up to 20,000 bytes, n up to 8 (tests/integration/test_corpus.py)."""
 
 from __future__ import annotations
 

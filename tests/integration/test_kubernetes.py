@@ -12,7 +12,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MANIFESTS = ROOT / "docker" / "kubernetes"
 KUBERNETES = "1.32"
 

@@ -24,8 +24,8 @@ from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port
 from tests.helpers import FINAL, MODEL, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
+from tests.integration.test_metrics import scrape
 from tests.online_double import CHAT_EVENTS, DONE, USAGE, OnlineDouble, answer_for, chunk, usage_chunk
-from tests.test_metrics import scrape
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 BODIES = {

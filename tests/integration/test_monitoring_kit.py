@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.reference import metrics
 from tests.helpers import app_on
 
-KIT = Path(__file__).resolve().parent.parent / "monitoring"
+KIT = Path(__file__).resolve().parents[2] / "monitoring"
 DASHBOARD = KIT / "grafana" / "vbatch-dashboard.json"
 ALERTS = KIT / "prometheus" / "vbatch-alerts.yml"
 # A series name in PromQL: vbatch's and vLLM's (label names, functions and keywords are none of these).

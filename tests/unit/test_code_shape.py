@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-APP = Path(__file__).resolve().parent.parent / "app"
+APP = Path(__file__).resolve().parents[2] / "app"
 
 # Lowest first: a module imports from its own layer and those below, never from one above. "app" alone is the
 # package itself (its version), which any module may read.

@@ -23,7 +23,7 @@ from starlette.routing import Route
 from app.core.webhooks import Endpoint, Refused, check_destination, send
 from app.testing import free_port
 from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
-from tests.test_webhooks import SECRET, Receiver, outbox, receiving, with_webhook
+from tests.integration.test_webhooks import SECRET, Receiver, outbox, receiving, with_webhook
 
 # Hosts that are not global unicast, in the spellings that passed the check before (the first four) and others.
 REFUSED = [

@@ -70,20 +70,20 @@ def _assert_errors_name_real_lines(content: bytes) -> None:
     assert report.ok == (report.error_count == 0) and len(report.errors) <= report.error_count
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=3_000))
 def test_arbitrary_bytes_never_raise_and_errors_name_real_lines(content):
     _assert_errors_name_real_lines(content)
 
 
-@settings(max_examples=300, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(json_values | request_like, max_size=12), st.sampled_from([b"\n", b"\r\n", b"\n\n"]))
 def test_arbitrary_json_lines_never_raise_and_errors_name_real_lines(values, separator):
     content = separator.join(json.dumps(v).encode() for v in values)
     _assert_errors_name_real_lines(content)
 
 
-@settings(max_examples=200)
+@settings(max_examples=200, deadline=None)
 @given(st.lists(st.text(max_size=30), min_size=1, max_size=10, unique=True))
 def test_valid_requests_pass_whatever_their_text(custom_ids):
     requests = [

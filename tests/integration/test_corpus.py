@@ -12,7 +12,7 @@ from app.core.config import Settings
 from app.domain.validation import Limits, validate_file
 from tests.helpers import create_batch, wait_status
 
-CORPUS = Path(__file__).resolve().parent / "data" / "malformed"
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "malformed"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text())
 LIMITS = Limits(
     endpoint="/v1/chat/completions",

@@ -25,7 +25,7 @@ from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
-from tests.test_lora_dir import write_adapter
+from tests.integration.test_lora_dir import write_adapter
 
 pytestmark = pytest.mark.both_backends
 

@@ -15,7 +15,7 @@ import app.domain.models  # noqa: F401
 from app.core.migrate import upgrade_to_head
 from app.openapi import served_openapi
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 pytestmark = pytest.mark.both_backends

@@ -23,7 +23,7 @@ from app.core.db import make_engine
 from app.domain import batches, workers
 from app.testing import VbatchServer, fake_worker_app, free_port
 from tests.helpers import wait_for
-from tests.test_roles import answers, answers_or_errors, ended, sdk, single_process_answers, submit
+from tests.integration.test_roles import answers, answers_or_errors, ended, sdk, single_process_answers, submit
 
 SHARD_LINES = 500
 HOLD_AFTER = 60  # while a test holds, each feed sends this many lines and waits (app.core.failpoints)

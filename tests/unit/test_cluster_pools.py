@@ -1,6 +1,6 @@
 """`vbatch cluster`'s pools (issue 30): one pool a model, each with its replicas and its own engine arguments, and
 a named actor to scale it by; the one-pool command line reads as it always did. (The pools' replicas themselves
-run as tests/test_cluster.py runs one pool's.)"""
+run as tests/integration/test_cluster.py runs one pool's.)"""
 
 from __future__ import annotations
 

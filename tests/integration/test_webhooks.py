@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from app.testing import VbatchServer, free_port
 from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
-from tests.test_metrics import scrape
+from tests.integration.test_metrics import scrape
 
 pytestmark = pytest.mark.both_backends
 

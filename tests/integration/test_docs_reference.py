@@ -18,7 +18,7 @@ from app.openapi import served_openapi
 from app.reference import cli, errors, http, metrics, settings
 from tests.helpers import app_on, request_line
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # Settings

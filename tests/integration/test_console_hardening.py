@@ -28,7 +28,7 @@ from app.launch import server_options
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port
 from tests.helpers import app_on, create_batch, jsonl, request_line, serving, upload
-from tests.test_console import CSRF, KEY_A, KEY_B, csrf_of, logged_in
+from tests.integration.test_console import CSRF, KEY_A, KEY_B, csrf_of, logged_in
 
 # A cookie whose payload decodes (`x.1.y`) and whose signature is one Latin-1 byte: what made hmac raise.
 ODD_COOKIE = b"vbatch_console=eC4xLnk.\xe9"

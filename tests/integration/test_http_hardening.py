@@ -34,7 +34,7 @@ from app.main import create_app
 from app.testing import FakeEngine, VbatchServer, free_port
 from tests.helpers import app_on, create_batch, jsonl, request_line, serving, upload, wait_for
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ATTACKER = "attacker.example"
 
 

@@ -14,7 +14,7 @@ from schemathesis.checks import negative_data_rejection, positive_data_acceptanc
 from app.core.config import Settings
 from tests.live import live_app
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 KEY = "sk-schemathesis-key"
 schema = schemathesis.openapi.from_path(ROOT / "openapi.yaml")
 # Headers that frame the message belong to HTTP, not to the API: a generated `content-length:` with no value is a

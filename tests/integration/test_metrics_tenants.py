@@ -7,7 +7,7 @@ from fastapi.testclient import TestClient
 
 from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, request_line, upload, wait_for
-from tests.test_metrics import scrape
+from tests.integration.test_metrics import scrape
 
 KEYS = ("sk-tenant-a", "sk-tenant-b")
 
