@@ -727,6 +727,33 @@ def write_lora_adapter(folder: Path, base_model: Path, *, seed: int, rank: int, 
     return folder
 
 
+# The seed's support-ticket workload, as the benchmarks (bench.compare, bench.gpu) and the estimate's end-to-end test
+# run it: one system prompt, a one-line question a ticket, and the bench's sampling.
+TICKET_SYSTEM = "You are a support analyst for a GPU cloud. Answer in at most three sentences."
+TICKET_TOPICS = ("billing", "login", "latency", "data export", "permissions")
+TICKET_SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
+                   "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+
+
+def ticket_prompts(count: int, first: int = 0) -> list[str]:
+    return [
+        f"A customer reports a problem with {TICKET_TOPICS[i % len(TICKET_TOPICS)]}. What is the most likely cause? "
+        f"(ticket {i})"
+        for i in range(first, first + count)
+    ]
+
+
+def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict, first: int = 0) -> None:
+    """A batch input file of `count` tickets; `first`: the number of the first ticket, so that files of one run share
+    no prompt."""
+    with path.open("w") as out:
+        for i, prompt in enumerate(ticket_prompts(count, first), start=first):
+            messages = [{"role": "system", "content": TICKET_SYSTEM}, {"role": "user", "content": prompt}]
+            body = {"model": model, "messages": messages, **sampling}
+            out.write(json.dumps({"custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
+                                  "body": body}) + "\n")  # fmt: skip
+
+
 def free_port() -> int:
     import socket
 

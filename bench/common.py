@@ -16,28 +16,12 @@ from pathlib import Path
 import httpx
 import psutil
 
-from app.testing import VbatchServer
+# The ticket workload lives in the package: the estimate's end-to-end test runs it too.
+from app.testing import TICKET_SYSTEM as SYSTEM  # noqa: F401 - bench.* import them from here
+from app.testing import TICKET_TOPICS as TOPICS  # noqa: F401
+from app.testing import VbatchServer, ticket_prompts, write_ticket_batch  # noqa: F401
 
-SYSTEM = "You are a support analyst for a GPU cloud. Answer in at most three sentences."
-TOPICS = ["billing", "login", "latency", "data export", "permissions"]
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def ticket_prompts(count: int, first: int = 0) -> list[str]:
-    return [
-        f"A customer reports a problem with {TOPICS[i % len(TOPICS)]}. What is the most likely cause? (ticket {i})"
-        for i in range(first, first + count)
-    ]
-
-
-def write_ticket_batch(path: Path, count: int, *, model: str, sampling: dict, first: int = 0) -> None:
-    """`first`: the number of the first ticket, so that files of one run share no prompt."""
-    with path.open("w") as out:
-        for i, prompt in enumerate(ticket_prompts(count, first), start=first):
-            messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": prompt}]
-            body = {"model": model, "messages": messages, **sampling}
-            out.write(json.dumps({"custom_id": f"ticket-{i}", "method": "POST", "url": "/v1/chat/completions",
-                                  "body": body}) + "\n")  # fmt: skip
 
 
 def leave_now() -> None:

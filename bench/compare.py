@@ -17,12 +17,11 @@ import sys
 import time
 from pathlib import Path
 
-from app.testing import LocalPostgres, LocalS3
+from app.testing import TICKET_SAMPLING, LocalPostgres, LocalS3
 from bench.common import VbatchServer, measure, run_batch_usage, run_logged, warm_up, write_ticket_batch
 
 SERVED = "bench-model"
-SAMPLING = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "max_tokens": 256,
-            "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+SAMPLING = TICKET_SAMPLING
 
 
 def device_parser() -> argparse.ArgumentParser:

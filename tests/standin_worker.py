@@ -1,6 +1,6 @@
 """A stand-in for a worker's online routes, on a real socket: what `vbatch api` forwards to, in the tests of the
-forwarding (`tests/integration/test_forward.py`), without an engine. `python -m tests.standin_worker --port P --name N` runs it
-in a process of its own, for a test to kill or freeze.
+forwarding (`tests/integration/test_forward.py`), without an engine. `python -m tests.standin_worker --port P
+--name N` runs it in a process of its own, for a test to kill or freeze.
 
 A body with `stream: true` gets `STREAM`, in pieces cut across its events' boundaries (`hold: true`: its first
 event and half the next, then nothing until the client leaves; `cut: true`: the same, then the connection is

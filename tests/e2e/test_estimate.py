@@ -1,7 +1,8 @@
 """`POST /v1/batches/estimate` on the real CPU engine, through the official openai SDK (issue 31): the seed's tickets
-file (bench.common, as `bench.compare` runs it on the CPU) is estimated, run, estimated again and run again. Prompt
-tokens are the engine's own count (the chat template applied), so they equal the batch's usage exactly; once one
-batch of the same shape has run, the expected output and the ETA are within 30% of the next batch's actual."""
+file (`app.testing.write_ticket_batch`, as `bench.compare` runs it on the CPU) is estimated, run, estimated again and
+run again. Prompt tokens are the engine's own count (the chat template applied), so they equal the batch's usage
+exactly; once one batch of the same shape has run, the expected output and the ETA are within 30% of the next batch's
+actual."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from pathlib import Path
 from openai import OpenAI
 
 from app.domain import estimates
-from bench.common import write_ticket_batch
-from bench.compare import SAMPLING
+from app.testing import TICKET_SAMPLING as SAMPLING
+from app.testing import write_ticket_batch
 from tests.e2e.conftest import MODEL
 from tests.e2e.helpers import lines_of, wait_terminal
 
