@@ -1,5 +1,7 @@
 """The code's shape, read from the source with `ast` (nothing of `app` is imported): no import cycle among app's
-modules, no import of a higher layer from a lower one, no function of 60 lines or more.
+modules, no import of a higher layer from a lower one, no function of 60 lines or more, and no blocking file, database
+or object-store call in a coroutine's own body (where it would stall its event loop; `app.core.blocking` catches the
+database and store calls the tests reach at run time, this the ones they do not).
 
 Every import counts wherever it is written: at the top, inside a function (a real dependency, only later), and
 under `if TYPE_CHECKING:` (a type names what the module is built on as much as a call does).
@@ -37,6 +39,19 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ),
 )
 MAX_FUNCTION_LINES = 59
+# Calls that hold the thread they run on for as long as the disk, the database or the store takes: in a coroutine they
+# go through asyncio.to_thread (or aiofiles, or obstore's *_async).
+BLOCKING_FUNCTIONS = frozenset({
+    "open", "os.fsync", "os.fdatasync", "_fsync_dir", "shutil.rmtree", "shutil.copyfile", "shutil.copy",
+    "shutil.copy2", "shutil.copyfileobj", "shutil.move", "session_scope", "write_scope", "read_scope", "Session",
+})  # fmt: skip
+BLOCKING_METHODS = frozenset({"unlink", "rmdir", "write_text", "write_bytes", "read_text", "read_bytes"})
+# Allowed where they are, each with its reason: "file:coroutine: call".
+BLOCKING_ALLOWED = {
+    # obstore.list only builds a stream; its pages are fetched by the awaited collect_async().
+    "app/core/object_storage.py:delete: obstore.list",
+    "app/core/object_storage.py:delete_all: obstore.list",
+}
 
 
 @dataclass(frozen=True)
@@ -179,6 +194,52 @@ def long_functions(root: Path) -> list[str]:
     return problems
 
 
+def _called(func: ast.expr) -> str:
+    """`os.fsync`, `.unlink` (a method of any object), `open`, ...: how a call names what it calls."""
+    if isinstance(func, ast.Name):
+        return func.id
+    if isinstance(func, ast.Attribute):
+        inner = _called(func.value)
+        return f"{inner}.{func.attr}" if inner else f".{func.attr}"
+    return ""
+
+
+def _calls_on_the_loop(coroutine: ast.AsyncFunctionDef) -> Iterator[ast.Call]:
+    """The calls a coroutine makes itself and does not await: not those of a nested def or lambda, which run wherever
+    they are handed (asyncio.to_thread)."""
+    stack: list[ast.AST] = list(coroutine.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda | ast.ClassDef):
+            continue
+        if isinstance(node, ast.Await) and isinstance(node.value, ast.Call):
+            stack.extend(ast.iter_child_nodes(node.value))  # the awaited call is a coroutine's; its arguments are not
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _blocks(name: str) -> bool:
+    method = name.rsplit(".", 1)[-1]
+    sync_store = name.startswith("obstore.") and not name.endswith("_async")
+    return name in BLOCKING_FUNCTIONS or ("." in name and method in BLOCKING_METHODS) or sync_store
+
+
+def blocking_calls(root: Path) -> list[str]:
+    problems = []
+    for path in modules(root).values():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.AsyncFunctionDef):
+                continue
+            for call in sorted(_calls_on_the_loop(node), key=lambda call: (call.lineno, call.col_offset)):
+                name = _called(call.func)
+                where = f"{path.relative_to(root.parent)}:{node.name}: {name}"
+                if _blocks(name) and where not in BLOCKING_ALLOWED:
+                    problems.append(f"{where} (line {call.lineno}) blocks the event loop: asyncio.to_thread it")
+    return problems
+
+
 def test_every_module_has_a_layer():
     problems = [name for name in modules(APP) if layer_of(name) is None]
     assert not problems, "\n".join(problems)
@@ -196,6 +257,11 @@ def test_no_import_from_a_higher_layer():
 
 def test_no_function_reaches_60_lines():
     problems = long_functions(APP)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_coroutine_blocks_its_loop_on_files_the_database_or_the_store():
+    problems = blocking_calls(APP)
     assert not problems, "\n".join(problems)
 
 
@@ -234,6 +300,25 @@ def test_each_guard_names_what_breaks_it(tmp_path):
     assert cycles(found) == [
         "import cycle among app.core.a, app.domain.b: "
         "app.core.a (app/core/a.py:2) -> app.domain.b (app/domain/b.py:3) -> app.core.a"
+    ]
+    blocking = _package(
+        tmp_path / "blocking",
+        {
+            "__init__.py": "",
+            "core/__init__.py": "",
+            "core/c.py": "import asyncio, os\n"
+            "async def save(path, fd, db):\n"
+            "    os.fsync(fd)\n"
+            "    await asyncio.to_thread(os.fsync, fd)\n"
+            "    await asyncio.to_thread(lambda: path.unlink())\n"
+            "    with write_scope(db) as session:\n"
+            "        path.unlink(missing_ok=True)\n"
+            "    await path.read_bytes()\n",
+        },
+    )
+    assert blocking_calls(blocking) == [
+        f"app/core/c.py:save: {name} (line {line}) blocks the event loop: asyncio.to_thread it"
+        for name, line in (("os.fsync", 3), ("write_scope", 6), ("path.unlink", 7))
     ]
     too_long = MAX_FUNCTION_LINES + 1
     assert long_functions(app) == [f"app/domain/b.py:4 long is {too_long} lines (at most {MAX_FUNCTION_LINES})"]
