@@ -430,6 +430,8 @@ class Clients:
             task = asyncio.create_task(self.poll_one(pool[turn % len(pool)]))
             under_way.add(task)
             task.add_done_callback(under_way.discard)
+        # The polls still out are answered before the clients close (sent on a closed client, they raised).
+        await asyncio.gather(*under_way)
 
     async def until_all_ended(self) -> None:
         while self.open:
