@@ -837,34 +837,68 @@ def summarise(fleet: Fleet, rows: list, clients: dict) -> dict:
 
 
 def fairness(rows: list, made: dict, ends: dict, claims: dict) -> dict:
-    """Over the backlog's keys (every key's batches waiting at once): at the moment half its lines were done, each
-    key's lines done (Jain's index: 1.0 is every key alike; claims in creation order, key after key, give 0.5), and
-    the claims' order: how many claims took a key's n-th batch after another key's later one."""
+    """Over the backlog's keys (every key's batches waiting at once). The claims' order: a claim's round is how many
+    of its key's batches were claimed before it, and a claim is out of round when some claim before it was of a
+    later round (0 in a perfect round robin; a key's batches are created at once, so which of them goes first is
+    not the test). And each key's lines done at the moment half the lines were (Jain's index: 1.0 is every key
+    alike), beside the same index for a perfect round robin over the same batches, which is below 1.0 when keys
+    have few batches each (0.9 at three apiece), and at the end of the first round (1.0 in a perfect one)."""
     backlog = {b: m for b, m in made.items() if m["phase"] == "backlog" and b in ends}
     if not backlog:
         return {}
     size = {row["id"]: row["completed"] + row["failed"] for row in rows}
-    order = sorted(backlog, key=lambda b: ends[b]["at"])
-    half_lines = sum(size.get(b, 0) for b in order) / 2
-    done: Counter[int] = Counter()
-    counted = 0
-    for batch in order:
-        if counted >= half_lines:
-            break
-        done[backlog[batch]["key"]] += size.get(batch, 0)
-        counted += size.get(batch, 0)
     keys = sorted({m["key"] for m in backlog.values()})
-    claimed = sorted((min(c["at"] for c in claims[b]), backlog[b]["number"]) for b in backlog if b in claims)
+    order = sorted(backlog, key=lambda b: ends[b]["at"])
+    claimed = sorted((min(c["at"] for c in claims[b]), backlog[b]["key"]) for b in backlog if b in claims)
+    rounds: Counter[int] = Counter()
+    ranks = []
+    for _, key in claimed:
+        ranks.append(rounds[key])
+        rounds[key] += 1
+    ideal = _round_robin({key: [size.get(b, 0) for b in order if backlog[b]["key"] == key] for key in keys})
+    first_round = len(keys)
     return {
         "keys": len(keys),
-        "jain_at_half": jain([float(done.get(key, 0)) for key in keys]),
-        "keys_with_lines_at_half": sum(1 for key in keys if done.get(key)),
-        "claims_out_of_round": _inversions([number for _, number in claimed]),
+        "claims_out_of_round": _inversions(ranks),
+        "distinct_keys_in_first_round_of_claims": len({key for _, key in claimed[:first_round]}),
+        "jain_at_half": _jain_at([size.get(b, 0) for b in order], [backlog[b]["key"] for b in order], keys, 0.5),
+        "jain_at_half_perfect_round_robin": _jain_at([n for n, _ in ideal], [k for _, k in ideal], keys, 0.5),
+        "jain_after_first_round": _jain_of_first(order[:first_round], backlog, size, keys),
     }
 
 
+def _round_robin(sizes: dict[int, list[int]]) -> list[tuple[int, int]]:
+    """(lines, key) of every batch as a perfect round robin over keys would end them."""
+    ended = []
+    for turn in range(max((len(v) for v in sizes.values()), default=0)):
+        ended += [(lines[turn], key) for key, lines in sizes.items() if turn < len(lines)]
+    return ended
+
+
+def _jain_at(lines: list[int], keys_of: list[int], keys: list[int], share: float) -> float | None:
+    """Jain's index over `keys` of their lines done when `share` of all lines were, batches ended in this order."""
+    target = sum(lines) * share
+    done: Counter[int] = Counter()
+    counted = 0
+    for number, key in zip(lines, keys_of, strict=True):
+        if counted >= target:
+            break
+        done[key] += number
+        counted += number
+    return jain([float(done.get(key, 0)) for key in keys])
+
+
+def _jain_of_first(ended: list[str], backlog: dict, size: dict, keys: list[int]) -> float | None:
+    """Jain's index over `keys` of their lines in these batches (the first as many to end as there are keys: in a
+    perfect round robin, one of each key's)."""
+    done: Counter[int] = Counter()
+    for batch in ended:
+        done[backlog[batch]["key"]] += size.get(batch, 0)
+    return jain([float(done.get(key, 0)) for key in keys])
+
+
 def _inversions(ranks: list[int]) -> int:
-    """Claims of a key's n-th batch after some key's later one had been claimed: 0 in a perfect round robin."""
+    """Claims of a round after some claim of a later round: 0 in a perfect round robin."""
     out_of_round = 0
     highest = -1
     for rank in ranks:
@@ -1175,7 +1209,25 @@ def main() -> None:
     print(json.dumps(results, indent=1))
 
 
-ROLES = {"serve-api": serve_api, "host-workers": host_workers, "clients": run_clients}
+def refair(argv: list[str]) -> None:
+    """`python -m bench.fleet refair --out DIR --results FILE`: the fairness of a finished run measured again from
+    the claims and ends its workers logged in DIR (its database is gone: a batch's lines are those its end
+    logged), written into FILE with the commit that measured it."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--results", type=Path, required=True)
+    args = parser.parse_args(argv)
+    claims, ends = read_events(args.out)
+    rows = [{"id": batch, "completed": end["completed"], "failed": 0} for batch, end in ends.items()]
+    made = {m["batch_id"]: m for m in json.loads((args.out / "clients.json").read_text())["made"]}
+    results = json.loads(args.results.read_text())
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    results["fairness"] = fairness(rows, made, ends, claims) | {"measured_again_at": commit.stdout.strip()}
+    args.results.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results["fairness"], indent=1))
+
+
+ROLES = {"serve-api": serve_api, "host-workers": host_workers, "clients": run_clients, "refair": refair}
 
 if __name__ == "__main__":
     main()
