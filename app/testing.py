@@ -27,9 +27,9 @@ import httpx
 from app.domain.adapters import Adapter
 from app.domain.estimates import SCORING, PromptCount, cached_prefix_tokens, scored_texts
 from app.domain.openai_errors import openai_error, unknown_argument
-from app.engine import frontends
-from app.engine.arguments import openai_arguments
-from app.engine.serving import EngineDead, EngineStep, StepListener, Stream
+from app.engine.inference import frontends
+from app.engine.inference.arguments import openai_arguments
+from app.engine.inference.serving import EngineDead, EngineStep, StepListener, Stream
 
 FAKE_MODEL = "fake-model"
 
@@ -365,12 +365,12 @@ def fake_arguments() -> dict[str, frozenset[str]]:
 
 
 class FakeEngine:
-    """An engine factory (`app.engine.serving.EngineFactory`): every start serves from one shared executor, so a
-    test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
+    """An engine factory (`app.engine.inference.serving.EngineFactory`): every start serves from one shared executor, so
+    a test sees all calls across restarts. It serves `model` and, `adapters`, names of LoRA adapters of it, at most
     `max_loras` at once (vLLM's `--max-loras`; the fake runs any number, a test watches what it is sent);
     `max_lora_rank`: the `--max-lora-rank` of LoRA enabled (None: its engine config does not say); `endpoints`: what
     its model answers (a scoring model's: `SCORING`), others get the real serving layer's 400; `arguments`: the
-    top-level arguments each endpoint takes (`app.engine.arguments`), others refused as the real serving layer
+    top-level arguments each endpoint takes (`app.engine.inference.arguments`), others refused as the real serving layer
     refuses them (None: any taken, the fake's own switches such as `stall` included; `VBATCH_FAKE_ARGUMENTS=openai`
     in its process: `fake_arguments()`)."""
 
@@ -424,8 +424,8 @@ class FakeEngine:
 async def fake_frontends(
     count: int, adapters: Sequence[str] = (), report_steps: bool = False
 ) -> AsyncIterator[frontends.FrontendPool]:
-    """An engine factory (`app.engine.serving.EngineFactory`, with `functools.partial`): the fake engine's serving
-    (with these LoRA adapters) in `count` front-end processes behind a `FrontendPool`, as `vbatch serve
+    """An engine factory (`app.engine.inference.serving.EngineFactory`, with `functools.partial`): the fake engine's
+    serving (with these LoRA adapters) in `count` front-end processes behind a `FrontendPool`, as `vbatch serve
     --api-server-count` runs vLLM's, and a process that stands for the engine core (kill it to kill the engine).
     `report_steps`: each front end reports an engine step per answer (`FakeExecutor.report_steps`)."""
     spawn = multiprocessing.get_context("spawn")
@@ -783,8 +783,8 @@ def serve_fake_engine(argv: list[str] | None = None) -> None:
 
     from app.core import logs
     from app.core.config import Settings
+    from app.engine.online.view import EngineView, WorkersView
     from app.engine.service import EngineService
-    from app.engine.view import EngineView, WorkersView
     from app.launch import check_fleet, server_options
     from app.main import Role, create_app
 

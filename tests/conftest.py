@@ -13,6 +13,8 @@ directory)."""
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -33,6 +35,22 @@ BOTH_BACKENDS = ("sqlite", "postgres_s3")
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "both_backends: run on SQLite and files, and on Postgres with an S3 store")
+    config.addinivalue_line("markers", "blocking_expected: the test makes a blocking call on a loop on purpose")
+
+
+@pytest.fixture(autouse=True)
+def no_blocking_call_on_a_loop(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test during which the guard refused a blocking call on an event loop fails, even where the refusal was caught
+    (a batch's run, a broad `except`): read from `app.core.blocking.raised`, if the app is loaded at all."""
+    blocking = sys.modules.get("app.core.blocking")
+    before = len(blocking.raised) if blocking is not None else 0
+    yield
+    blocking = sys.modules.get("app.core.blocking")
+    if blocking is None or request.node.get_closest_marker("blocking_expected"):
+        return
+    refused = blocking.raised[before:]
+    if refused:
+        pytest.fail(f"a blocking call on an event loop during this test: {', '.join(refused)}", pytrace=False)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -15,8 +15,8 @@ from app.core import failpoints
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.core.stores import open_storage
+from app.engine.inference.serving import EngineFactory
 from app.engine.service import EngineService
-from app.engine.serving import EngineFactory
 from app.main import create_app
 from app.testing import FAKE_MODEL as MODEL
 from app.testing import FakeEngine

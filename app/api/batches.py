@@ -19,7 +19,7 @@ from app.domain.schemas import (
     ErrorResponse,
     RetryBatchRequest,
 )
-from app.engine import estimating
+from app.engine.online import estimating
 
 router = APIRouter(
     prefix="/v1/batches",

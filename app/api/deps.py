@@ -12,8 +12,8 @@ from app.api.guard import FORWARDED_TENANT
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain.estimate_slots import EstimateSlots
-from app.engine.metrics import Metrics
-from app.engine.view import EngineView
+from app.engine.online.view import EngineView
+from app.engine.telemetry.metrics import Metrics
 
 
 def _settings(request: Request) -> Settings:

@@ -40,8 +40,8 @@ from app.domain.ratelimits import (
     output_tokens,
     used_tokens,
 )
-from app.engine.metrics import LIVE, EngineTime, OnlineMetrics, Payer, key_label
-from app.engine.view import EngineView
+from app.engine.online.view import EngineView
+from app.engine.telemetry.metrics import LIVE, EngineTime, OnlineMetrics, Payer, key_label
 
 router = APIRouter(tags=["online"])
 

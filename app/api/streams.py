@@ -17,7 +17,7 @@ from app.api.errors import log_unexpected, stream_error_event
 from app.domain.answers import AnswerWording
 from app.domain.online import OnlineAnswer
 from app.domain.ratelimits import Quota, output_tokens, used_tokens
-from app.engine.metrics import OnlineMetrics
+from app.engine.telemetry.metrics import OnlineMetrics
 
 # What marks a streamed event that carries output, by endpoint: vLLM writes one such event a token by default.
 OUTPUT_MARKS = {"/v1/chat/completions": b'"delta"', "/v1/completions": b'"text"', "/v1/responses": b'.delta"'}

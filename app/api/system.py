@@ -13,8 +13,8 @@ from app.domain import batches
 from app.domain.adapters import Adapter
 from app.domain.errors import NotFound
 from app.domain.schemas import ErrorResponse, HealthStatus, Model, ModelList
-from app.engine.metrics import key_label
-from app.engine.view import EngineView
+from app.engine.online.view import EngineView
+from app.engine.telemetry.metrics import key_label
 
 router = APIRouter(tags=["system"])
 

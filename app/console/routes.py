@@ -45,8 +45,8 @@ from app.domain.lifecycle import ACTIVE, BatchStatus
 from app.domain.online import EngineUnavailable
 from app.domain.partial_output import Kind, first_lines, open_partial
 from app.domain.schemas import CreateBatchRequest
-from app.engine import estimating
-from app.engine.estimating import check_file
+from app.engine.online import estimating
+from app.engine.online.estimating import check_file
 
 PAGE_SIZE = 20
 FIRST_ERROR_LINES = 10

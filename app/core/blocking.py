@@ -19,6 +19,11 @@ class BlockingOnLoop(RuntimeError):
     pass
 
 
+# Every refusal raised in this process, whoever catches it: a broad `except` must not hide one from the tests (their
+# conftest fails a test during which one was raised and not expected).
+raised: list[str] = []
+
+
 @functools.cache
 def guard_on() -> bool:
     """Read once a process: the check runs at every connection checkout."""
@@ -33,6 +38,7 @@ def refuse_on_loop(call: str) -> None:
         asyncio.get_running_loop()
     except RuntimeError:
         return
+    raised.append(call)
     raise BlockingOnLoop(
         f"{call} on a thread running an event loop: synchronous database and object-store calls run in a plain "
         "`def` route or through asyncio.to_thread (docs/explanation/architecture.md, 'Blocking work')"

@@ -1,7 +1,7 @@
 """The HTTP request being answered, as far as code below the API needs it: its id, which `vbatch api` passes on with
-each online request it forwards to a worker (`app.engine.forward`), so that the worker logs the same id. The app's
-outermost middleware (`app.main.RequestLog`) sets it for each request; a context variable, so each request sees its
-own and code outside a request sees None. The caller's key is never passed on: a worker is told the caller's tenant,
+each online request it forwards to a worker (`app.engine.online.forward`), so that the worker logs the same id. The
+app's outermost middleware (`app.main.RequestLog`) sets it for each request; a context variable, so each request sees
+its own and code outside a request sees None. The caller's key is never passed on: a worker is told the caller's tenant,
 signed (`app.core.fleet`)."""
 
 from __future__ import annotations

@@ -94,13 +94,13 @@ class Settings(BaseSettings):
     output_file_ttl_seconds: int = 30 * 86400
     # Requests handed to the engine at once; 0 means "derive it from the engine's max_num_seqs".
     max_in_flight: int = 0
-    # Online requests' time to first token the batch window keeps under (`app.engine.window`): while their recent
-    # p90 is above it, fewer batch lines are in flight. 500 ms: about where a chat reply stops feeling immediate, and
-    # far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way only
-    # when batch lines really are in the way. 0: the window stays at max_in_flight.
+    # Online requests' time to first token the batch window keeps under (`app.engine.sharing.window`): while their
+    # recent p90 is above it, fewer batch lines are in flight. 500 ms: about where a chat reply stops feeling immediate,
+    # and far above what an unhindered GPU engine takes for a chat-sized prompt (tens of ms), so the window gives way
+    # only when batch lines really are in the way. 0: the window stays at max_in_flight.
     live_ttft_target_ms: float = 500.0
-    # While online requests are about, the batch prompt tokens that may enter each engine step (`app.engine.pacing`);
-    # 0: derived from the target above and the engine's measured step times.
+    # While online requests are about, the batch prompt tokens that may enter each engine step
+    # (`app.engine.sharing.pacing`); 0: derived from the target above and the engine's measured step times.
     live_prefill_tokens: int = 0
     # How often a running batch logs its progress (done/total, requests/s, output tokens/s, ETA).
     progress_log_seconds: float = 5.0

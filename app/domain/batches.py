@@ -387,7 +387,7 @@ def start(
     )
 
 
-def end_unrun(
+def end_with_errors(
     *, db: Engine, batch_id: str, to: BatchStatus, errors: Sequence[BatchError], lease: Lease | None = None
 ) -> BatchRow:
     """End a batch that ran no line (failed or expired) with `errors`, and no result files."""

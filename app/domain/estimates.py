@@ -1,5 +1,5 @@
 """A batch's estimate before it runs (`POST /v1/batches/estimate`): the arithmetic, from the lines' prompt token
-counts (the engine counts them, `app.engine.estimating`) and what this engine did on earlier batches of the same
+counts (the engine counts them, `app.engine.online.estimating`) and what this engine did on earlier batches of the same
 model and endpoint.
 
 Expected output is what those batches' answers say of each line's own cap: an answer that ended on its own gives as
@@ -155,7 +155,7 @@ class History:
 
 
 def run_seconds(timeline_json: str | None) -> float:
-    """Seconds a batch's last run took to its last result (`app.engine.meter`'s timeline; 0 if it kept none)."""
+    """Seconds a batch's last run took to its last result (`app.engine.batch.meter`'s timeline; 0 if it kept none)."""
     timeline = json.loads(timeline_json) if timeline_json else {}
     return float(timeline.get("last_result", 0.0))
 

@@ -21,8 +21,8 @@ from app.domain.schemas import FileList, OpenAIFile
 
 UPLOAD_PURPOSES = ("assistants", "batch", "fine-tune", "vision", "user_data", "evals")
 OUTPUT_PURPOSE = "batch_output"
-# The owner of a shard's result files (`app.engine.shards`): no key's digest, so no client lists or reads them; its
-# parent joins them into its own and deletes them.
+# The owner of a shard's result files (`app.engine.batch.shards`): no key's digest, so no client lists or reads them;
+# its parent joins them into its own and deletes them.
 SHARD_OWNER = "vbatch:shard"
 
 

@@ -1,7 +1,7 @@
 """The index of a batch's input file, built by validation in its one pass over the file.
 
 For every request line: its 1-based line number, byte offset and length, custom_id, the digest of its long
-leading text (lines that share one are fed together, `app.engine.ordering`), and the LoRA adapter it names, if any
+leading text (lines that share one are fed together, `app.engine.batch.ordering`), and the LoRA adapter it names, if any
 (an adapter's lines are fed together too), as a number into the names the file uses. Everything after validation
 works from it: planning reads only digests and adapters, resume and cancel/expiry only custom_ids, and the feed and
 the re-runs after an engine death read each line they need by its offset. The file itself is never scanned again.
@@ -78,7 +78,8 @@ class InputIndex:
         self.adapter_numbers.append(self._number_of(adapter or _BASE))
 
     def add_from(self, other: InputIndex, position: int, *, offset: int) -> None:
-        """The line at `position` of `other`, at `offset` in this index's file (a shard's: `app.engine.shards`)."""
+        """The line at `position` of `other`, at `offset` in this index's file (a shard's:
+        `app.engine.batch.shards`)."""
         self.numbers.append(other.numbers[position])
         self.offsets.append(offset)
         self.lengths.append(other.lengths[position])

@@ -55,7 +55,7 @@ def claim(
     """Leases on active batches no one holds (by turn: round robin over keys; at most `limit`), each with a new
     token. With `models`
     (a worker beside others), only batches for one of them or for no model in particular, and those any worker
-    can end: being cancelled, or past their completion window (`app.engine.ending.end_unserved`). A batch for a
+    can end: being cancelled, or past their completion window (`app.engine.batch.ending.end_unserved`). A batch for a
     model no worker serves waits for one until then, and no longer."""
     now = clock.now_ns()
     with write_scope(db) as session:
@@ -81,7 +81,7 @@ def claim(
 
 def unheld_models(*, db: Engine, limit: int = 100) -> list[str]:
     """The models named by active batches no one holds: those a worker may look up among the adapters it could
-    load (`app.engine.holder`)."""
+    load (`app.engine.scheduling.holder`)."""
     now = clock.now_ns()
     with session_scope(db) as session:
         statement = (

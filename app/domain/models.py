@@ -103,7 +103,7 @@ class BatchRow(SQLModel, table=True):
     lease_holder: str | None = None
     lease_expires_ns: int | None = Field(default=None, sa_type=BigInteger)
     lease_token: int = 0
-    # A large batch that workers share is cut into shards (`app.engine.shards`): hidden batches of its lines, each
+    # A large batch that workers share is cut into shards (`app.engine.batch.shards`): hidden batches of its lines, each
     # with `parent_id` and its place (`shard`) in the parent's planned order; the parent counts its `shards`.
     parent_id: str | None = Field(default=None, index=True)
     shard: int | None = None
@@ -180,7 +180,7 @@ class WorkerRow(SQLModel, table=True):
     scheduler_error: str | None = None
     engine_deaths: int = 0
     # Where it answers online requests (`VBATCH_ADVERTISE_URL`), and how many it has in flight: what an API replica
-    # forwards them by (`app.engine.forward`). None: it cannot be forwarded to (a service of an older version).
+    # forwards them by (`app.engine.online.forward`). None: it cannot be forwarded to (a service of an older version).
     url: str | None = None
     online_in_flight: int = 0
     # Its URL's proof under the fleet's secret (`app.core.fleet`): a replica forwards to no worker whose proof fails.

@@ -6,7 +6,7 @@ no earlier than the turn claims have reached: the lowest turn still waiting (or,
 active one). So a key with a hundred batches waiting has one claimed a turn, and a key that comes late waits behind
 no other key's backlog, only behind the batches of the turn claims are at; a batch whose worker died keeps its
 turn, and is claimed again first. Every batch counts as one, whatever its lines (start-time fair queuing with a
-unit cost). Within a worker the feed's round robin (`app.engine.feed`) shares its engine between the batches it
+unit cost). Within a worker the feed's round robin (`app.engine.sharing.feed`) shares its engine between the batches it
 holds.
 """
 

@@ -1,7 +1,7 @@
 """The services that run batches, as each last said: its engine's state, the models it serves, its engine's
 configuration, where it answers online requests and how many it has in flight. Each says so every second (`beat`);
 an API replica (`vbatch api`, which has no engine) answers /v1/models, /health and the console's engine page from
-those that spoke lately (`seen`), and forwards online requests to them (`app.engine.forward`)."""
+those that spoke lately (`seen`), and forwards online requests to them (`app.engine.online.forward`)."""
 
 from __future__ import annotations
 

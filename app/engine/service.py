@@ -1,10 +1,11 @@
-"""The engine service, the facade the API and the console use (`app.engine.view`): one live vLLM engine per
+"""The engine service, the facade the API and the console use (`app.engine.online.view`): one vLLM engine per
 process, and the batches it runs.
 
-It is made of parts a reader can name: the bridge to the engine thread (`bridge.py`: everything that touches the
-engine runs on a thread of its own, with its own event loop), the scheduling loop (`scheduler.py`), the lease holder
-(`holder.py`), the watchdog (`watchdog.py`), and the one registry of the batches it holds that those three share
-(`runs.py`). This module starts and stops the engine and wires them. The API thread only reads plain attributes
+It is made of parts a reader can name, in the engine's rooms (`app/engine/__init__.py`): the bridge to the engine
+thread (`inference/bridge.py`: everything that touches the engine runs on a thread of its own, with its own event
+loop), the scheduling loop (`scheduling/scheduler.py`), the lease holder (`scheduling/holder.py`), the watchdog
+(`scheduling/watchdog.py`), and the one registry of the batches it holds that those three share (`batch/runs.py`).
+This module starts and stops the engine and wires them. The API thread only reads plain attributes
 (`state`, `served_models`) and calls `wake` and `stop`, which are safe from any thread.
 """
 
@@ -32,17 +33,11 @@ from app.domain.leases import Lease
 from app.domain.online import EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
-from app.engine.bridge import EngineThread
-from app.engine.context import Context
-from app.engine.found_adapters import ClaimableAdapters, adapter_finder
-from app.engine.holder import LeaseHolder
-from app.engine.live import LiveEngine
-from app.engine.metrics import Metrics
-from app.engine.online import OnlineRequests
-from app.engine.pacing import PaceNumbers, PrefillPacer
-from app.engine.runs import Runs
-from app.engine.scheduler import Scheduler
-from app.engine.serving import (
+from app.engine.batch.context import Context
+from app.engine.batch.runs import Runs
+from app.engine.inference.bridge import EngineThread
+from app.engine.inference.found_adapters import ClaimableAdapters, adapter_finder
+from app.engine.inference.serving import (
     EngineDead,
     EngineFactory,
     Serving,
@@ -51,8 +46,14 @@ from app.engine.serving import (
     max_loras,
     schedules_by_priority,
 )
-from app.engine.steps import EngineSteps, StepSummary
-from app.engine.window import BatchWindow, WindowSize
+from app.engine.online.requests import OnlineRequests
+from app.engine.scheduling.holder import LeaseHolder
+from app.engine.scheduling.scheduler import Scheduler
+from app.engine.sharing.pacing import PaceNumbers, PrefillPacer
+from app.engine.sharing.recovering import RecoveringEngine
+from app.engine.sharing.window import InFlightWindow, WindowSize
+from app.engine.telemetry.metrics import Metrics
+from app.engine.telemetry.steps import EngineSteps, StepSummary
 
 log = logging.getLogger("vbatch.engine")
 # The engine's step budget when its config does not say (vLLM's `--max-num-batched-tokens`).
@@ -70,7 +71,7 @@ class EngineService:
         lists replace them once it serves."""
         self.factory = factory
         self.model_name: str | None = models[0] if models else None
-        self.live = LiveEngine(self._start_engine, self._stop_engine)
+        self.engine = RecoveringEngine(self._start_engine, self._stop_engine)
         self.adapters: list[Adapter] = list(adapters or [])
         self.served_models: list[str] = list(models or []) + [adapter.name for adapter in self.adapters]
         self._found: dict[str, Adapter] = {}  # adapters of `VBATCH_LORA_DIR` batches have run on (`announce`)
@@ -94,19 +95,19 @@ class EngineService:
         )
         # The batch window (`Context.window`, once there is one) hears of online traffic.
         self._online = OnlineRequests(
-            live=self.live, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
+            engine=self.engine, bridge=self._bridge, window=lambda: getattr(self._ctx, "window", None)
         )
         self._scheduler = Scheduler(
-            live=self.live, runs=self.runs, holder=self._holder, bridge=self._bridge, worker_state=self.worker_state
+            engine=self.engine, runs=self.runs, holder=self._holder, bridge=self._bridge, worker_state=self.worker_state
         )
 
     @property
     def state(self) -> Literal["starting", "ok", "restarting", "down"]:
-        return self.live.state
+        return self.engine.state
 
     @property
     def deaths(self) -> int:
-        return self.live.deaths
+        return self.engine.deaths
 
     @property
     def holder(self) -> str:
@@ -132,7 +133,7 @@ class EngineService:
         return self._bridge.loop
 
     def metrics_text(self) -> bytes:
-        return self.live.metrics_text()
+        return self.engine.metrics_text()
 
     def worker_state(self) -> WorkerState:
         return WorkerState(
@@ -143,7 +144,7 @@ class EngineService:
             adapters=list(self.adapters),
             engine_config=dict(self.engine_config),
             scheduler_error=self.scheduler_error,
-            engine_deaths=self.live.deaths,
+            engine_deaths=self.engine.deaths,
             url=self.url,
             online_in_flight=self._online.in_flight,
             url_proof=self._fleet.worker_proof(self.holder, self.url) if self._fleet and self.url else None,
@@ -182,7 +183,7 @@ class EngineService:
 
     @property
     def batch_window(self) -> WindowSize | None:
-        """The batch's in-flight window now and at most (`app.engine.window`), from any thread; None before the
+        """The batch's in-flight window now and at most (`app.engine.sharing.window`), from any thread; None before the
         engine first serves."""
         ctx = self._ctx
         return ctx.window.numbers if ctx is not None else None
@@ -198,7 +199,7 @@ class EngineService:
         self._bridge.wake()
 
     async def respond(self, request: OnlineRequest) -> OnlineAnswer:
-        """On the caller's loop (`app.engine.online`); raises EngineUnavailable unless the engine is ok."""
+        """On the caller's loop (`app.engine.online.requests`); raises EngineUnavailable unless the engine is ok."""
         answer = await self._online.respond(request)
         if answer.status < 400:
             await self._announce_found(request.body.get("model"))
@@ -225,11 +226,11 @@ class EngineService:
         loop = self._bridge.loop
         if loop is None or self.state != "ok":
             raise EngineUnavailable(self.state)
-        counting = asyncio.run_coroutine_threadsafe(self.live.count_tokens(endpoint, bodies), loop)
+        counting = asyncio.run_coroutine_threadsafe(self.engine.count_tokens(endpoint, bodies), loop)
         try:
             return await asyncio.wrap_future(counting)
         except EngineDead:
-            raise EngineUnavailable(self.live.state) from None
+            raise EngineUnavailable(self.engine.state) from None
 
     async def start(
         self,
@@ -248,8 +249,8 @@ class EngineService:
         self._online.shared_cache = settings.shared_prefix_cache
         self._fleet = settings.fleet_key()
         self.metrics = metrics or Metrics()
-        self.live.engine_time.price = settings.gpu_hour_price
-        self.metrics.count_engine_time(self.live.engine_time)
+        self.engine.engine_time.price = settings.gpu_hour_price
+        self.metrics.count_engine_time(self.engine.engine_time)
         self._bridge.start(self._lifetime(db, storage, settings))
 
     def request_stop(self) -> None:
@@ -284,10 +285,10 @@ class EngineService:
         # claim.
         freeing = asyncio.ensure_future(self._holder.release_dead(db))
         try:
-            serving = await self.live.start()
+            serving = await self.engine.start()
         except Exception:
             log.exception("the engine failed to start")
-            self.live.state = "down"
+            self.engine.state = "down"
         else:
             await freeing
             await self._scheduler.schedule(self._context(serving, db, storage, settings))
@@ -297,7 +298,7 @@ class EngineService:
     def _context(self, serving: Serving, db: Engine, storage: Storage, settings: Settings) -> Context:
         # Enough to keep every engine slot busy plus a queue to refill from, without holding the whole file.
         wave = engine_wave(serving)
-        self.live.engine_time.devices = engine_devices(serving)
+        self.engine.engine_time.devices = engine_devices(serving)
         max_in_flight = settings.max_in_flight or 2 * wave
         target = settings.live_ttft_target_ms / 1000
         step_tokens = serving.engine_config.get("max_num_batched_tokens")
@@ -307,14 +308,14 @@ class EngineService:
             max_step_tokens=step_tokens if isinstance(step_tokens, int) else DEFAULT_STEP_TOKENS,
             budget_tokens=settings.live_prefill_tokens,
         )
-        window = BatchWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=target, pacer=pacer)
-        self.metrics.watch_window(lambda: window.numbers, self.live.preemptions, lambda: window.withdrawn)
+        window = InFlightWindow(max_size=max_in_flight, wave=wave, ttft_target_seconds=target, pacer=pacer)
+        self.metrics.watch_window(lambda: window.numbers, self.engine.preemptions, lambda: window.withdrawn)
         self.metrics.watch_steps(self.steps, pacer.numbers)
         ctx = Context(
             db=db,
             storage=storage,
             settings=settings,
-            live=self.live,
+            engine=self.engine,
             served_models=self.served_models,
             adapters=self.adapters,
             max_in_flight=max_in_flight,

@@ -37,7 +37,7 @@ COMMANDS = (
 
 def engine_parser() -> argparse.ArgumentParser:
     """`vllm serve`'s parser as vbatch builds it (its defaults for batch work included)."""
-    from app.engine.vllm_adapter import serve_parser
+    from app.engine.inference.vllm_adapter import serve_parser
 
     return serve_parser("vllm serve")
 

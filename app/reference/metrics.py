@@ -89,7 +89,7 @@ def page() -> str:
     ]
     return (
         "# Metrics\n\n"
-        + generated("app/engine/metrics.py: the registry the app wires, with its help texts")
+        + generated("app/engine/telemetry/metrics.py: the registry the app wires, with its help texts")
         + "`GET /metrics` answers in Prometheus' text format: first the engine's own `vllm:` series, exactly as "
         "`vllm serve` exposes them (from vLLM's registry; see [vLLM's metrics](https://docs.vllm.ai/en/latest/"
         "design/metrics.html)), then vbatch's, below. With keys configured it needs one, and a key sees the "

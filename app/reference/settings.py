@@ -13,7 +13,7 @@ from app.core import config
 from app.core.config import Settings
 from app.reference.markdown import cell, code, generated, table
 
-# "(`app.engine.window`)": a pointer into the code, for its readers; the docs link the explanation instead.
+# "(`app.engine.sharing.window`)": a pointer into the code, for its readers; the docs link the explanation instead.
 _MODULE_POINTER = re.compile(r"\s*\(`app\.[\w.]+`(?:;[^)]*)?\)")
 
 

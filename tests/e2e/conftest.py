@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from app.engine import default_model
+from app.engine.inference import default_model
 from app.testing import VbatchServer, free_port
 from tests.fixtures import postgres, s3  # noqa: F401 - fixtures (tests/e2e/test_cluster_e2e.py)
 from tests.helpers import wait_for

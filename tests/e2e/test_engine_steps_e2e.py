@@ -1,6 +1,6 @@
-"""The real engine's steps (vLLM's iteration details, `app.engine.steps`) on /metrics and the console's engine page of
-the shared `vbatch serve`, once it has run a batch with a live request beside it; and the pacing that came and went
-with the live request."""
+"""The real engine's steps (vLLM's iteration details, `app.engine.telemetry.steps`) on /metrics and the console's engine
+page of the shared `vbatch serve`, once it has run a batch with a live request beside it; and the pacing that came and
+went with the live request."""
 
 from __future__ import annotations
 

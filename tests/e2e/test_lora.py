@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from app.engine.vllm_adapter import is_cpu_build
+from app.engine.inference.vllm_adapter import is_cpu_build
 from app.testing import VbatchServer, free_port, write_lora_adapter
 from tests.e2e.conftest import MODEL, engine_flags
 from tests.e2e.helpers import chat_line, lines_of, submit, wait_terminal

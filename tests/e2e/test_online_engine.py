@@ -15,7 +15,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app.domain.online import OnlineAnswer, OnlineRequest
-from app.engine import online
+from app.engine.online import requests
 from app.engine.service import EngineService
 from app.launch import service_app
 from tests.e2e.conftest import MODEL, STARTUP_SECONDS, engine_flags
@@ -84,7 +84,7 @@ def test_the_engine_schedules_online_requests_ahead_of_batch_lines(service):
     [([], "priority"), (["--scheduling-policy", "fcfs"], "fcfs"), (["--scheduling_policy=priority"], "priority")],
 )
 def test_a_scheduling_policy_the_user_names_wins(flags, policy):
-    from app.engine.vllm_adapter import apply_batch_defaults, serve_parser
+    from app.engine.inference.vllm_adapter import apply_batch_defaults, serve_parser
 
     args = serve_parser("vbatch serve").parse_args(flags)
     apply_batch_defaults(args)
@@ -140,7 +140,7 @@ def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
     length = 1500  # tokens: half a minute of this CPU's time, so only an abort ends it sooner
 
     async def scenario() -> int:
-        before = service.live.generated_tokens() or 0
+        before = service.engine.generated_tokens() or 0
         answer = await service.respond(
             asked(chat("Write a long story.", stream=True, max_tokens=length, ignore_eos=True))
         )
@@ -149,10 +149,10 @@ def test_a_stream_closed_early_leaves_nothing_running(service, closed_when):
         assert first.startswith(b"data: ")
         await until(lambda: running_requests(service) >= 1)
         if closed_when != "after its first chunk":
-            await until(lambda: (service.live.generated_tokens() or 0) - before > online.STREAM_ROOM + 16)
+            await until(lambda: (service.engine.generated_tokens() or 0) - before > requests.STREAM_ROOM + 16)
         await answer.events.aclose()  # type: ignore[attr-defined]
         await until(lambda: running_requests(service) == 0)
-        return (service.live.generated_tokens() or 0) - before
+        return (service.engine.generated_tokens() or 0) - before
 
     generated = asyncio.run(scenario())
     assert 0 < generated < length  # stopped by the abort, not by its length

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from openai import OpenAI
 
-from app.engine.vllm_adapter import is_cpu_build
+from app.engine.inference.vllm_adapter import is_cpu_build
 from app.testing import VbatchServer, free_port
 from tests.e2e.helpers import chat_line, lines_of, submit, to_jsonl, wait_terminal
 from tests.schemas import validate

@@ -14,10 +14,10 @@ from pathlib import Path
 
 from app.domain.input_index import PREFIX_CHARS, InputIndex
 from app.domain.validation import Limits, validate_file
-from app.engine.execution import FixedSlots, run_lines
-from app.engine.ordering import AdapterGate, adapter_gate, ordered_lines, plan
-from app.engine.shards import cut
-from app.engine.window import BatchWindow
+from app.engine.batch.ordering import AdapterGate, adapter_gate, ordered_lines, plan
+from app.engine.batch.shards import cut
+from app.engine.sharing.execution import FixedSlots, run_lines
+from app.engine.sharing.window import InFlightWindow
 from app.testing import FAKE_MODEL, FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, upload, wait_status
 
@@ -245,7 +245,7 @@ async def until(condition, engine: Held) -> None:
 async def _held_at_the_gate(tmp_path: Path) -> None:
     lines = [line(f"a{i}", "a") for i in range(3)] + [line(f"b{i}", "b") for i in range(3)]
     index = indexed(tmp_path, lines, ["a", "b"])
-    window = BatchWindow(max_size=4, wave=4, ttft_target_seconds=1.0)
+    window = InFlightWindow(max_size=4, wave=4, ttft_target_seconds=1.0)
     engine = Held()
     gate = CountingGate(index, max_loras=1)
     answered: Counter[str] = Counter()

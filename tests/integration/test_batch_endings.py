@@ -92,7 +92,7 @@ def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
 def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation_found(
     client, fake_engine, monkeypatch
 ):
-    from app.engine import intake
+    from app.engine.batch import intake
 
     db = client.app.state.db
     validate = intake.validate_file

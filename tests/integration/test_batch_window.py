@@ -1,6 +1,6 @@
-"""The batch's in-flight window (`app.engine.window`): it shrinks while online requests miss their time-to-first-token
-target, holds its floor, grows back when they stop, and shrinking cancels no line in flight. The rule is driven by
-hand on a clock the test moves; the batch runs on the fake engine."""
+"""The batch's in-flight window (`app.engine.sharing.window`): it shrinks while online requests miss their
+time-to-first-token target, holds its floor, grows back when they stop, and shrinking cancels no line in flight. The
+rule is driven by hand on a clock the test moves; the batch runs on the fake engine."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.core import clock
-from app.engine.metrics import Metrics
 from app.engine.service import EngineService
-from app.engine.window import QUIET_SECONDS, BatchWindow, WindowSize
+from app.engine.sharing.window import QUIET_SECONDS, InFlightWindow, WindowSize
+from app.engine.telemetry.metrics import Metrics
 from app.testing import FakeEngine, FakeExecutor
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
@@ -28,12 +28,12 @@ class Clock:
         return self.now
 
 
-def window_of(*, wave: int = 16, max_size: int = 32, target: float = TARGET) -> tuple[BatchWindow, Clock]:
+def window_of(*, wave: int = 16, max_size: int = 32, target: float = TARGET) -> tuple[InFlightWindow, Clock]:
     moved = Clock()
-    return BatchWindow(max_size=max_size, wave=wave, ttft_target_seconds=target, now=moved), moved
+    return InFlightWindow(max_size=max_size, wave=wave, ttft_target_seconds=target, now=moved), moved
 
 
-def online(window: BatchWindow, moved: Clock, *, first_token: float, then: float = 0.25) -> None:
+def online(window: InFlightWindow, moved: Clock, *, first_token: float, then: float = 0.25) -> None:
     """An online request arrives, has its first token `first_token` seconds later, and the clock moves on."""
     window.online_arrived()
     moved.now += first_token
@@ -148,7 +148,7 @@ def test_arrivals_withdraw_the_youngest_lines_over_a_wave_once_each_down_to_the_
 
 
 async def _arrivals_withdraw_the_youngest() -> None:
-    async def hold_lines(window: BatchWindow, count: int) -> tuple[list[asyncio.Future], list[asyncio.Task]]:
+    async def hold_lines(window: InFlightWindow, count: int) -> tuple[list[asyncio.Future], list[asyncio.Task]]:
         requests: list[asyncio.Future] = []
         entered = asyncio.Event()
 
@@ -293,7 +293,7 @@ def test_the_preemptions_are_vllms_counter_summed_over_its_engines():
     from prometheus_client import CollectorRegistry
     from prometheus_client import Counter as PromCounter
 
-    from app.engine.vllm_adapter import _preemptions
+    from app.engine.inference.vllm_adapter import _preemptions
 
     registry = CollectorRegistry()
     # As vLLM's PrometheusStatLogger makes it: one child per engine, made at start.

@@ -246,7 +246,7 @@ def test_an_engine_that_dies_while_idle_is_restarted_and_health_says_so(client, 
     assert fake_engine.starts == 1
     fake_engine.serving.alive = False
     wait_for(lambda: fake_engine.starts == 2 and client.get("/health").json()["status"] == "ok")
-    assert engine_service.live.deaths == 1
+    assert engine_service.engine.deaths == 1
     done = wait_status(
         client, create_batch(client, upload(client, jsonl([request_line("a")]))["id"])["id"], {"completed"}
     )

@@ -4,17 +4,24 @@ an event loop raises while the guard is on, as it is for this whole suite; on a 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from types import SimpleNamespace
 
 import pytest
 from sqlalchemy import text
 from sqlalchemy.engine import Engine
 
-from app.core.blocking import BlockingOnLoop, guard_on
+from app.core import blocking
+from app.core.blocking import BlockingOnLoop, guard_on, refuse_on_loop
 from app.core.config import Settings
 from app.core.db import make_engine, session_scope
 from app.core.object_storage import ObjectStorage
+from app.engine.batch.runs import Runs
+from app.engine.scheduling import scheduler as scheduler_module
+from app.engine.scheduling.scheduler import Scheduler
 
-pytestmark = pytest.mark.both_backends
+pytestmark = [pytest.mark.both_backends, pytest.mark.blocking_expected]
 
 
 def test_the_suite_runs_with_the_guard_on_and_production_without_it():
@@ -72,3 +79,38 @@ def test_a_blocking_object_store_call_on_an_event_loop_raises(s3, tmp_path):
     with pytest.raises(BlockingOnLoop, match=r"obstore\.head"):
         asyncio.run(on_the_loop())
     assert asyncio.run(on_a_thread()) is False
+
+
+def test_a_refusal_is_recorded_whoever_catches_it():
+    """What the suite's conftest reads to fail a test during which a refusal was caught."""
+    before = len(blocking.raised)
+
+    async def caught() -> None:
+        with contextlib.suppress(BlockingOnLoop):
+            refuse_on_loop("obstore.head")
+
+    asyncio.run(caught())
+    assert blocking.raised[before:] == ["obstore.head"]
+
+
+def test_a_batch_run_that_blocks_its_loop_is_logged_as_the_bug_it_is(monkeypatch):
+    async def blocks(ctx, batch_id, lease) -> None:
+        refuse_on_loop("write_scope")
+
+    monkeypatch.setattr(scheduler_module, "run_batch", blocks)
+    runs = Runs()
+    scheduler = Scheduler(
+        live=None, runs=runs, holder=None, bridge=SimpleNamespace(wake=lambda: None), worker_state=None
+    )  # type: ignore[arg-type]
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("vbatch.engine").addHandler(handler)
+    try:
+        asyncio.run(scheduler._run_one(None, "batch_x"))  # type: ignore[arg-type]
+    finally:
+        logging.getLogger("vbatch.engine").removeHandler(handler)
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.CRITICAL, "batch batch_x: a blocking call on the engine's loop")
+    ]
+    assert records[0].exc_info is not None and isinstance(records[0].exc_info[1], BlockingOnLoop)

@@ -22,8 +22,8 @@ from app.core.config import Settings
 from app.core.db import make_engine, session_scope
 from app.core.migrate import upgrade_to_head
 from app.domain import models
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.launch import server_options
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port

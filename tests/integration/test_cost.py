@@ -16,7 +16,7 @@ from app.core.db import make_engine
 from app.domain.cost import apportion, spend, weighed_tokens, weights
 from app.domain.models import BatchRow
 from app.domain.schemas import Batch
-from app.engine.metrics import BATCH, LIVE, EngineTime, Payer
+from app.engine.telemetry.metrics import BATCH, LIVE, EngineTime, Payer
 from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, held_batch, jsonl, request_line, upload, wait_for, wait_status
 

@@ -60,7 +60,7 @@ class Settings:
 
 
 def test_every_command_flag_has_help_and_an_entry():
-    from app.engine.vllm_adapter import run_batch_parser
+    from app.engine.inference.vllm_adapter import run_batch_parser
 
     engine = cli.engine_parser()
     vllm_flags = {

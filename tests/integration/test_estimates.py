@@ -15,8 +15,8 @@ from fastapi.testclient import TestClient
 from app.domain import estimates
 from app.domain.batches import Progress
 from app.domain.results import Outcome, add_usage, encode_body, http_outcome, stopped_at_cap
-from app.engine import frontends
-from app.engine.parts import ResultSink
+from app.engine.batch.parts import ResultSink
+from app.engine.inference import frontends
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FAKE_BLOCK_SIZE, fake_frontends, fake_token_count
@@ -474,7 +474,7 @@ def test_front_end_processes_count_in_parts_and_keep_the_order(monkeypatch):
 
 
 def test_a_worker_view_says_token_counts_are_unknown():
-    from app.engine.view import WorkersView
+    from app.engine.online.view import WorkersView
 
     with contextlib.closing(asyncio.new_event_loop()) as loop:
         assert loop.run_until_complete(WorkersView().count_tokens(CHAT, [{"prompt": "a"}])) is None

@@ -11,7 +11,7 @@ from fastapi.testclient import TestClient
 
 from app.core.config import Settings
 from app.domain import batches
-from app.engine.feed import Changes, FairFeed
+from app.engine.sharing.feed import Changes, FairFeed
 from app.testing import FakeEngine
 from tests.helpers import app_on, jsonl, request_line, wait_for
 

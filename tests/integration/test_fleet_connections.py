@@ -17,11 +17,11 @@ from sqlalchemy import text
 from app.core import db as db_module
 from app.core.db import DatabaseTaken, claim_database, hears_announcements, make_engine
 from app.core.migrate import upgrade_to_head
-from app.engine.holder import LeaseHolder
-from app.engine.runs import Runs
-from app.engine.scheduler import POLL_SECONDS, UNANNOUNCED_POLL_SECONDS, Scheduler
+from app.engine.batch.runs import Runs
+from app.engine.online.view import WorkersView
+from app.engine.scheduling.holder import LeaseHolder
+from app.engine.scheduling.scheduler import POLL_SECONDS, UNANNOUNCED_POLL_SECONDS, Scheduler
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine, LocalPgBouncer, LocalPostgres
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_status
@@ -153,7 +153,7 @@ def test_a_worker_that_cannot_listen_looks_four_times_a_second_while_it_has_room
     pooled = make_engine(pgbouncer.url(direct), pooler="transaction")
     alone = make_engine(direct)
     holder = LeaseHolder(Runs(), serves=lambda: [])
-    scheduler = Scheduler(live=None, runs=holder.runs, holder=holder, bridge=None, worker_state=None)  # type: ignore[arg-type]
+    scheduler = Scheduler(engine=None, runs=holder.runs, holder=holder, bridge=None, worker_state=None)  # type: ignore[arg-type]
     try:
         holder.hold_at_most = 2
         assert scheduler._next_look(pooled) == UNANNOUNCED_POLL_SECONDS

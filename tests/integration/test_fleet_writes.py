@@ -23,8 +23,8 @@ from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow, FileRow
 from app.domain.schemas import CreateBatchRequest
 from app.domain.workers import WorkerState
-from app.engine.holder import REREAD_SECONDS, LeaseHolder
-from app.engine.runs import Runs
+from app.engine.batch.runs import Runs
+from app.engine.scheduling.holder import REREAD_SECONDS, LeaseHolder
 from app.testing import add_running_batches
 from tests.helpers import app_on
 

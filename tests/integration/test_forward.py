@@ -1,4 +1,4 @@
-"""`vbatch api` forwards online requests to the workers (`app.engine.forward`): `WorkersView.respond` over the
+"""`vbatch api` forwards online requests to the workers (`app.engine.online.forward`): `WorkersView.respond` over the
 workers table, against stand-in workers on real sockets (`tests/standin_worker.py`: in this process, or in a
 process of their own to kill or freeze), and against a `vbatch worker` process (fake engine) that says in its beats
 where it answers."""
@@ -33,8 +33,8 @@ from app.domain.models import BatchRow
 from app.domain.online import ONLINE_ENDPOINTS, EngineUnavailable, OnlineAnswer, OnlineRequest
 from app.domain.schemas import RunStats
 from app.domain.workers import WorkerState
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.main import create_app
 from app.testing import FakeEngine, VbatchServer, free_port
 from tests.helpers import serving, wait_for

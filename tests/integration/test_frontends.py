@@ -1,5 +1,5 @@
-"""Front-end processes (`app.engine.frontends`): what several processes answer is byte for byte what one process
-answers, and a front end's death reaches the loop as an engine death. The fake engine's serving runs in real
+"""Front-end processes (`app.engine.inference.frontends`): what several processes answer is byte for byte what one
+process answers, and a front end's death reaches the loop as an engine death. The fake engine's serving runs in real
 spawned processes behind a real `FrontendPool`; the end-to-end suite runs vLLM's behind two."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import signal
 import pytest
 
 from app.domain.results import error_outcome, http_outcome, line_for, rendered_body
-from app.engine import frontends
-from app.engine.offline import run_file
-from app.engine.serving import EngineDead
+from app.engine.batch.offline import run_file
+from app.engine.inference import frontends
+from app.engine.inference.serving import EngineDead
 from app.testing import FakeEngine, fake_frontends
 from tests.helpers import jsonl, request_line
 
@@ -108,7 +108,7 @@ def test_an_engine_core_that_exits_fails_what_is_in_flight():
 def test_a_stack_dump_names_the_innermost_await_through_context_managers():
     from contextlib import asynccontextmanager
 
-    from app.engine.frontends import await_chain
+    from app.engine.inference.frontends import await_chain
 
     async def deepest(release: asyncio.Event) -> None:
         await release.wait()

@@ -10,8 +10,8 @@ from sqlalchemy.engine import make_url
 from app.core.config import Settings
 from app.core.db import DatabaseTaken, make_engine, write_problem
 from app.domain import batches
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from app.domain import validation
 from app.domain.results import error_outcome, http_outcome
-from app.engine.parts import ResultSink
+from app.engine.batch.parts import ResultSink
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
 SURROGATE_ID = "\ud800"

@@ -1,5 +1,6 @@
-"""Batch lines paced by their prompt tokens while live requests are about (`app.engine.pacing`), the engine's steps
-that pace them (`app.engine.steps`), and the bounds the window takes from those steps (`app.engine.window`).
+"""Batch lines paced by their prompt tokens while live requests are about (`app.engine.sharing.pacing`), the engine's
+steps that pace them (`app.engine.telemetry.steps`), and the bounds the window takes from those steps
+(`app.engine.sharing.window`).
 
 The batch runs on the fake engine, whose steps the tests report by hand (`FakeServing.step`): the pace refills at
 each step only, so what enters between two steps is what one step would carry."""
@@ -16,13 +17,13 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.core import clock
-from app.engine import pacing
-from app.engine.execution import FixedSlots, run_lines
-from app.engine.pacing import PrefillPacer, estimated_tokens
+from app.engine.inference.serving import EngineStep
 from app.engine.service import EngineService
-from app.engine.serving import EngineStep
-from app.engine.steps import LIVE_OWED_SECONDS, EngineSteps, fitted
-from app.engine.window import QUIET_SECONDS, BatchWindow
+from app.engine.sharing import pacing
+from app.engine.sharing.execution import FixedSlots, run_lines
+from app.engine.sharing.pacing import PrefillPacer, estimated_tokens
+from app.engine.sharing.window import QUIET_SECONDS, InFlightWindow
+from app.engine.telemetry.steps import LIVE_OWED_SECONDS, EngineSteps, fitted
 from app.testing import FakeEngine, FakeExecutor, FakeServing, fake_frontends
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 
@@ -246,7 +247,7 @@ async def _arrival_withdraws_beyond_the_decode_bound() -> None:
     # A CPU's step: 10 ms a decoded token, so 5 lines fill a tenth of 500 ms.
     steps = steps_costing(fixed=0.04, per_prefill=6e-4, per_decode=0.01)
     pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=4096)
-    window = BatchWindow(max_size=32, wave=64, ttft_target_seconds=0.5, pacer=pacer, now=Clock())
+    window = InFlightWindow(max_size=32, wave=64, ttft_target_seconds=0.5, pacer=pacer, now=Clock())
     assert window.decode_bound == 5 and window.least == 8
     requests: list[asyncio.Future] = []
     entered = asyncio.Event()
@@ -305,7 +306,7 @@ def test_batch_lines_enter_within_the_budget_each_step_while_a_live_request_is_i
             wait_for(lambda refused=refused: pacer.refusals > refused)  # the next line waits for the next step
             refused = pacer.refusals
             entered_per_step.append(len(executor.bodies) - sum(entered_per_step))
-            on_engine_loop(service.live._serving.step, EngineStep(0.05, 36, 0))  # type: ignore[union-attr]
+            on_engine_loop(service.engine._serving.step, EngineStep(0.05, 36, 0))  # type: ignore[union-attr]
         tokens_per_step = [18 * count for count in entered_per_step]
         assert all(0 < tokens <= BUDGET for tokens in tokens_per_step), tokens_per_step
         assert entered_per_step == [2] * 6
@@ -336,7 +337,7 @@ def test_the_engine_steps_are_on_metrics_and_on_the_consoles_engine_page(setting
 
 
 def test_vllms_iteration_details_become_engine_steps_and_their_log_lines_stay_out_unless_asked(caplog):
-    from app.engine import vllm_adapter
+    from app.engine.inference import vllm_adapter
 
     heard: list[EngineStep] = []
     stats = SimpleNamespace(stat_loggers=[])

@@ -20,8 +20,8 @@ from app.domain import workers
 from app.domain.adapters import Adapter
 from app.domain.validation import Limits, validate_file
 from app.domain.workers import WorkerState
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.launch import announced_adapters
 from app.main import Role, create_app
 from app.testing import FAKE_MODEL, FakeEngine, fake_frontends
@@ -178,7 +178,7 @@ def test_an_api_replica_lists_the_adapters_its_workers_announce(settings: Settin
 
 
 def test_vllms_loaded_adapters_are_read_with_their_base_model():
-    from app.engine.vllm_adapter import served_adapters
+    from app.engine.inference.vllm_adapter import served_adapters
 
     bases = [SimpleNamespace(name="base", model_path="/m")]
     first = SimpleNamespace(lora_name="a", lora_path="/p/a", base_model_name=None)

@@ -26,8 +26,8 @@ from app.core.config import Settings
 from app.core.lora_dir import LoraDir, lora_dir
 from app.domain.adapters import Adapter, AdapterFinder, AdapterProblem
 from app.domain.validation import Limits, validate_file
-from app.engine.found_adapters import RECHECK_SECONDS, ClaimableAdapters
-from app.engine.holder import LeaseHolder
+from app.engine.inference.found_adapters import RECHECK_SECONDS, ClaimableAdapters
+from app.engine.scheduling.holder import LeaseHolder
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FAKE_MODEL, FakeEngine
@@ -382,7 +382,7 @@ class _Models:
 
 
 def _layer(adapters: Path) -> Any:
-    from app.engine.vllm_adapter import ServingLayer
+    from app.engine.inference.vllm_adapter import ServingLayer
 
     state = State()
     state.openai_serving_models = _Models()
@@ -421,7 +421,7 @@ def test_the_serving_layer_answers_a_bad_adapter_with_a_400_and_leaves_unknown_n
 
 
 def test_front_end_processes_get_the_lora_dir_with_their_target():
-    from app.engine.vllm_adapter import _frontend_main
+    from app.engine.inference.vllm_adapter import _frontend_main
 
     source = LoraDir(url="s3://bucket/adapters", cache=Path("/data/lora-cache"))
     target = pickle.loads(pickle.dumps(functools.partial(_frontend_main, lora_dir=source)))

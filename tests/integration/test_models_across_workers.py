@@ -20,8 +20,8 @@ from app.core.db import make_engine, session_scope
 from app.domain import batches, leases
 from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status

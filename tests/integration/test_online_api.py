@@ -19,8 +19,8 @@ from openai import OpenAI
 
 from app.core.config import Settings
 from app.domain.online import ONLINE_ENDPOINTS
+from app.engine.online.view import WorkersView
 from app.engine.service import EngineService
-from app.engine.view import WorkersView
 from app.main import Role, create_app
 from app.testing import FakeEngine, free_port
 from tests.helpers import FINAL, MODEL, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status

@@ -1,4 +1,4 @@
-"""Online requests on the engine service (`app.engine.online`), over the fake engine: answers as JSON and as
+"""Online requests on the engine service (`app.engine.online.requests`), over the fake engine: answers as JSON and as
 streams, handed from the engine thread to the caller's loop; a stream closed or a call cancelled reaches the engine
 as an abort; an engine that is not ok is refused; and online requests go to the engine ahead of batch lines queued
 for the in-flight window, which reach it at batch priority."""
@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from app.core.config import Settings
 from app.domain.errors import InvalidRequest
 from app.domain.online import BATCH_PRIORITY, EngineUnavailable, OnlineAnswer, OnlineRequest
-from app.engine import online
+from app.engine.online import requests
 from app.engine.service import EngineService
 from app.main import create_app
 from app.testing import FAKE_MODEL, FakeEngine, FakeServing
@@ -148,7 +148,7 @@ def test_a_caller_that_goes_away_before_the_answer_aborts_the_request(settings):
 
 def test_a_slow_reader_holds_the_stream_back_in_the_engine_not_in_a_queue(settings):
     engine = FakeEngine()
-    length = 3 * online.STREAM_ROOM
+    length = 3 * requests.STREAM_ROOM
     with running(settings, engine) as (service, _):
 
         async def scenario() -> list[bytes]:
@@ -156,10 +156,10 @@ def test_a_slow_reader_holds_the_stream_back_in_the_engine_not_in_a_queue(settin
             assert answer.events is not None
             first = await anext(answer.events)
             # The engine side sends STREAM_ROOM chunks, then holds the next one it read until room is made.
-            await until(lambda: engine.executor.streamed_chunks == online.STREAM_ROOM + 1)
+            await until(lambda: engine.executor.streamed_chunks == requests.STREAM_ROOM + 1)
             for _ in range(3):  # the engine loop turns, and the stream stays where it is
                 await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(asyncio.sleep(0), service._loop))
-            assert engine.executor.streamed_chunks == online.STREAM_ROOM + 1
+            assert engine.executor.streamed_chunks == requests.STREAM_ROOM + 1
             return [first, *[event async for event in answer.events]]
 
         events = on_a_loop(scenario)
@@ -278,7 +278,8 @@ def test_the_batch_window_hears_of_online_traffic_on_the_engine_loop(settings):
 
     with running(settings, engine) as (service, _):
         wait_for(lambda: service._ctx is not None)
-        # The context's window (`app.engine.window`), or a stand-in before there is one, with its reports recorded.
+        # The context's window (`app.engine.sharing.window`), or a stand-in before there is one, with its reports
+        # recorded.
         window = getattr(service._ctx, "window", None) or SimpleNamespace()
         for kind in ("online_arrived", "online_first_token", "online_done"):
             setattr(window, kind, hearing(kind))
@@ -296,7 +297,7 @@ async def read_all_of(answer: Awaitable[OnlineAnswer]) -> list[bytes]:
 
 
 def test_a_workers_beat_counts_the_online_requests_its_engine_is_answering(settings):
-    """What `vbatch api` picks the least busy worker by (`app.engine.forward`)."""
+    """What `vbatch api` picks the least busy worker by (`app.engine.online.forward`)."""
     engine = FakeEngine()
     engine.executor.hold_streams = True  # each stream stops after its first chunk
     with running(settings, engine) as (service, _):

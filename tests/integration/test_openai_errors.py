@@ -1,7 +1,7 @@
 """Engine refusals in OpenAI's words (`app.domain.openai_errors`), from what vLLM 0.32's serving layer answered the
 issue's examples with (taken from the real CPU engine); the arguments the serving layer takes
-(`app.engine.arguments`) read from vLLM's own request models; and `vbatch api` answering what its worker's engine
-answered (fake engines). The same refusals over HTTP with the real engine and the openai SDK are in
+(`app.engine.inference.arguments`) read from vLLM's own request models; and `vbatch api` answering what its worker's
+engine answered (fake engines). The same refusals over HTTP with the real engine and the openai SDK are in
 tests/e2e/test_openai_errors.py."""
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def test_the_arguments_taken_are_vllms_request_models_and_openais_own():
     pytest.importorskip("vllm")
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from app.engine.arguments import known_arguments
+    from app.engine.inference.arguments import known_arguments
 
     known = known_arguments(CHAT, ChatCompletionRequest)
     assert known is not None

@@ -7,7 +7,7 @@ from collections import Counter
 
 from app.domain.input_index import PREFIX_CHARS, InputIndex
 from app.domain.validation import Limits, validate_file
-from app.engine.ordering import ordered_lines, pin_to_ranks, plan
+from app.engine.batch.ordering import ordered_lines, pin_to_ranks, plan
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, upload, wait_status
 
 INSTRUCTIONS = {name: f"Task {name}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for name in "ABCD"}

@@ -12,9 +12,9 @@ from collections import Counter
 import pytest
 
 from app.domain.batches import Progress
-from app.engine import meter as meter_module
-from app.engine.meter import MAX_SAMPLES, RunMeter
-from app.engine.offline import run_file
+from app.engine.batch import meter as meter_module
+from app.engine.batch.meter import MAX_SAMPLES, RunMeter
+from app.engine.batch.offline import run_file
 from app.testing import FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
 

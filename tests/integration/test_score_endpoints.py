@@ -13,8 +13,8 @@ from starlette.datastructures import State
 
 from app.domain.batches import ENDPOINTS
 from app.domain.estimates import SCORING
+from app.engine.inference.vllm_adapter import ServingLayer
 from app.engine.service import EngineService
-from app.engine.vllm_adapter import ServingLayer
 from app.main import create_app
 from app.testing import FAKE_MODEL, FAKE_PAIR_TOKENS, FakeEngine
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_status

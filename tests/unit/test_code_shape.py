@@ -1,5 +1,6 @@
 """The code's shape, read from the source with `ast` (nothing of `app` is imported): no import cycle among app's
-modules, no import of a higher layer from a lower one, no function of 60 lines or more, and no blocking file, database
+modules, no import of a higher layer from a lower one (nor, inside the engine, of a higher room from a
+lower one), no function of 60 lines or more, and no blocking file, database
 or object-store call in a coroutine's own body (where it would stall its event loop; `app.core.blocking` catches the
 database and store calls the tests reach at run time, this the ones they do not).
 
@@ -38,6 +39,11 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
         ),
     ),
 )
+# Inside the engine, its rooms (`app/engine/__init__.py` says what each owns), lowest first: a room's modules import
+# from their own room and those below, never from one above. Above them all, the entry that wires them: the package
+# itself and `app.engine.service`. A module of the engine in no room (one added beside `service.py`) fails too.
+ENGINE_ROOMS: tuple[str, ...] = ("inference", "telemetry", "sharing", "online", "batch", "scheduling")
+ENGINE_ENTRY: tuple[str, ...] = ("app.engine", "app.engine.service")
 MAX_FUNCTION_LINES = 59
 # Calls that hold the thread they run on for as long as the disk, the database or the store takes: in a coroutine they
 # go through asyncio.to_thread (or aiofiles, or obstore's *_async).
@@ -112,6 +118,16 @@ def layer_of(module: str) -> int | None:
     return None
 
 
+def room_of(module: str) -> int | None:
+    """The rank of an engine module's room (the entry's: above every room); None outside the engine or in no room."""
+    if module in ENGINE_ENTRY:
+        return len(ENGINE_ROOMS)
+    for rank, room in enumerate(ENGINE_ROOMS):
+        if module == f"app.engine.{room}" or module.startswith(f"app.engine.{room}."):
+            return rank
+    return None
+
+
 def upward_imports(found: list[Import]) -> list[str]:
     problems = []
     for edge in found:
@@ -122,6 +138,23 @@ def upward_imports(found: list[Import]) -> list[str]:
                 f"layer {LAYERS[source][0]} may not import from layer {LAYERS[target][0]}"
             )
     return problems
+
+
+def upward_room_imports(found: list[Import]) -> list[str]:
+    names = [*ENGINE_ROOMS, "entry"]
+    problems = []
+    for edge in found:
+        source, target = room_of(edge.source), room_of(edge.target)
+        if source is not None and target is not None and target > source:
+            problems.append(
+                f"{edge.where} {edge.source} imports {edge.target}: "
+                f"room {names[source]} may not import from room {names[target]}"
+            )
+    return problems
+
+
+def roomless(root: Path) -> list[str]:
+    return [name for name in modules(root) if name.startswith("app.engine.") and room_of(name) is None]
 
 
 def cycles(found: list[Import]) -> list[str]:
@@ -255,6 +288,16 @@ def test_no_import_from_a_higher_layer():
     assert not problems, "\n".join(problems)
 
 
+def test_every_engine_module_has_a_room():
+    problems = roomless(APP)
+    assert not problems, "\n".join(problems)
+
+
+def test_no_engine_room_imports_from_a_room_above():
+    problems = upward_room_imports(imports(APP))
+    assert not problems, "\n".join(problems)
+
+
 def test_no_function_reaches_60_lines():
     problems = long_functions(APP)
     assert not problems, "\n".join(problems)
@@ -269,7 +312,8 @@ def test_the_scan_sees_the_imports_that_are_there():
     """The guards above pass on an empty graph too: they mean something only while the scan finds what is there."""
     found = {(edge.source, edge.target) for edge in imports(APP)}
     assert ("app.main", "app.api.batches") in found  # `from app.api import batches as ...`
-    assert ("app.cli", "app.engine.offline") in found  # inside a function
+    assert ("app.cli", "app.engine.batch.offline") in found  # inside a function
+    assert ("app.engine.batch.runner", "app.engine.sharing.execution") in found  # between two rooms
 
 
 def _package(root: Path, files: dict[str, str]) -> Path:
@@ -322,3 +366,26 @@ def test_each_guard_names_what_breaks_it(tmp_path):
     ]
     too_long = MAX_FUNCTION_LINES + 1
     assert long_functions(app) == [f"app/domain/b.py:4 long is {too_long} lines (at most {MAX_FUNCTION_LINES})"]
+
+
+def test_the_room_guard_names_what_breaks_it(tmp_path):
+    app = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/service.py": "from app.engine.batch import b\n",  # the entry wires the rooms: allowed
+            "engine/loose.py": "",
+            "engine/sharing/__init__.py": "",
+            "engine/sharing/a.py": "from app.engine.batch.b import run\n",
+            "engine/batch/__init__.py": "",
+            "engine/batch/b.py": "def run():\n    from app.engine import service\n",
+        },
+    )
+    assert upward_room_imports(imports(app)) == [
+        "app/engine/batch/b.py:2 app.engine.batch.b imports app.engine.service: "
+        "room batch may not import from room entry",
+        "app/engine/sharing/a.py:1 app.engine.sharing.a imports app.engine.batch.b: "
+        "room sharing may not import from room batch",
+    ]
+    assert roomless(app) == ["app.engine.loose"]

@@ -9,7 +9,7 @@ import json
 
 from app.domain.batches import Progress
 from app.domain.results import http_outcome
-from app.engine.parts import Checkpoint, ResultSink
+from app.engine.batch.parts import Checkpoint, ResultSink
 
 
 def test_a_cancelled_checkpoint_still_lands_its_lines(tmp_path):

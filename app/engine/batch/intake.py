@@ -1,0 +1,94 @@
+"""A batch's input on its way in: validated once, indexed, and given the batch's own name for its bytes.
+
+The input's one full read happens here; from then on the batch reads its lines by offset from the index
+(`app.domain.input_index`), and its own hard link to the bytes keeps them whatever happens to the input's file
+object. A cancel may come at any point of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from app.core.disk import is_disk_full
+from app.domain import batches, files
+from app.domain.adapters import parents
+from app.domain.input_index import InputIndex
+from app.domain.lifecycle import InvalidTransition
+from app.domain.validation import Limits, Report, validate_file
+from app.engine.batch.context import Context
+from app.engine.batch.ending import end_unrun, input_gone
+from app.engine.batch.run import Run
+from app.engine.batch.shards import make_shards
+
+log = logging.getLogger("vbatch.runner")
+
+
+def _limits(ctx: Context, run: Run) -> Limits:
+    return Limits.from_settings(
+        ctx.settings,
+        endpoint=run.row.endpoint,
+        served_models=ctx.served_models,
+        parents=parents(ctx.adapters),
+        find_adapter=ctx.find_adapter,
+    )
+
+
+async def validate(ctx: Context, run: Run) -> bool:
+    """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
+    batch's results before the batch starts, so a restart never reads the input whole again. True once the batch
+    has started (`run.index` set if it runs lines of its own); else it has ended, failed or, if a cancel came at
+    any point of it, cancelled."""
+    row = run.row
+    try:
+        source = await asyncio.to_thread(files.get, db=ctx.db, file_id=row.input_file_id, owner=None)
+        report = await _read_input(ctx, run, source.id)
+    except Exception as exc:  # the input file vanished (deleted) or cannot be read
+        if is_disk_full(exc):
+            raise
+        log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
+        await end_unrun(run, [input_gone(run)])
+        return False
+    if not report.ok:
+        fields = {"batch_id": row.id, "event": "batch.validation_failed", "errors": report.error_count}
+        log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
+        for error in report.errors:
+            ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
+        await end_unrun(run, report.errors)
+        return False
+    await ctx.storage.save_bytes(run.index_name, report.index.to_bytes())
+    model = report.model or (ctx.served_models[0] if ctx.served_models else None)
+    fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
+    log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
+    shards = await make_shards(ctx, run, report.index, model)
+    try:
+        run.row = await asyncio.to_thread(
+            batches.start, db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=run.lease, shards=shards
+        )
+    except InvalidTransition:  # a cancel came first: the batch ends as it says
+        await end_unrun(run)
+        return False
+    ctx.announce(report.found_adapters)
+    # A parent of shards runs none of its lines itself (`shards.run_parent`).
+    run.index = None if shards else report.index
+    return True
+
+
+async def load_index(ctx: Context, run: Run) -> InputIndex:
+    """The index validation kept. A batch that began before vbatch kept one (and its own name for the input) gets
+    both now, once; FileNotFoundError if its input is gone."""
+    try:
+        return await run.stored_index()
+    except FileNotFoundError:
+        linked = await asyncio.to_thread(ctx.storage.exists, run.input_name)
+        report = await _read_input(ctx, run, source_id=None if linked else run.row.input_file_id)
+        await ctx.storage.save_bytes(run.index_name, report.index.to_bytes())
+        return report.index
+
+
+async def _read_input(ctx: Context, run: Run, source_id: str | None) -> Report:
+    """Validate (and index) the batch's own name for its input, first linking it to `source_id` if given."""
+    if source_id is not None:
+        await ctx.storage.copy(source_id, run.input_name)
+    path = await ctx.storage.local_path(run.input_name)
+    return await asyncio.to_thread(validate_file, path, _limits(ctx, run))

@@ -1,0 +1,436 @@
+"""One batch's life in the engine loop, top to bottom: resolved once into a `Run` (`run.py`), its input taken in
+(`intake.py`), then run (or, cut into shards, waited for: `shards.py`) and ended (`ending.py`, which decides every
+ending: completed, cancelled, expired, or failed with a full disk).
+
+Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
+when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
+kills the engine on its own is found and written to the error file; at the end the part files become File
+objects in the same transaction that ends the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator
+
+from app.core import clock, failpoints
+from app.core.disk import is_disk_full
+from app.domain import batches, leases
+from app.domain.cost import weighed_tokens
+from app.domain.input_index import InputIndex
+from app.domain.leases import Lease
+from app.domain.lifecycle import BatchStatus
+from app.domain.online import batch_line_body
+from app.domain.results import Outcome, error_outcome
+from app.domain.schemas import RunStats
+from app.engine.batch.context import Context
+from app.engine.batch.ending import (
+    end_out_of_disk,
+    end_unrun,
+    end_unserved,
+    end_with_results,
+    input_gone,
+    record_unfinished,
+    unserved,
+)
+from app.engine.batch.intake import load_index, validate
+from app.engine.batch.meter import RunMeter
+from app.engine.batch.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
+from app.engine.batch.parts import Checkpoint
+from app.engine.batch.run import Run
+from app.engine.batch.shards import run_parent
+from app.engine.inference.serving import EngineDead
+from app.engine.sharing.execution import Executor, FixedSlots, TimedExecutor, run_lines
+from app.engine.sharing.feed import Turn
+from app.engine.telemetry.metrics import BATCH, Payer, key_label
+
+log = logging.getLogger("vbatch.runner")
+
+ENGINE_CRASH_CODE = "engine_crashed"
+# A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
+RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
+# Lines in flight at an engine death are re-run in this many groups, one group at a time.
+SUSPECT_FANOUT = 8
+# On an object store every checkpoint ships what it adds as a segment, a request per part file: there one tick in
+# this many checkpoints, and the others save only the run's live numbers (its lease renewed, its status read), so a
+# batch ships a segment every 5 s at the default `checkpoint_seconds`, not every half second. Its counts move on at
+# those checkpoints, and a crash re-runs at most that much of its lines.
+SHIP_EVERY = 10
+
+
+async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
+    """Run the batch to its end under `lease`; a full disk ends it at once, failed, with what its last checkpoint
+    holds. The batch is resolved here, once, into the `Run` every step receives."""
+    run = await Run.resolve(db=ctx.db, storage=ctx.storage, settings=ctx.settings, batch_id=batch_id, lease=lease)
+    try:
+        await _run_batch(ctx, run)
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        await end_out_of_disk(run)
+
+
+async def _run_batch(ctx: Context, run: Run) -> None:
+    if unserved(run.row, ctx.served_models):
+        await end_unserved(run)
+        return
+    if run.row.status == BatchStatus.VALIDATING and not await validate(ctx, run):
+        return
+    row = run.row
+    if row.status in RUNNING and row.shards:
+        await run_parent(ctx, run)
+    elif row.status in RUNNING and row.in_progress_at is not None:
+        if run.index is None:
+            try:
+                run.index = await load_index(ctx, run)
+            except FileNotFoundError:
+                # Began before vbatch kept its own input, which has since gone: it ends rather than wait.
+                log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
+                await end_unrun(run, [input_gone(run)])
+                return
+        await BatchRun(ctx, run, run.index).to_end()
+    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
+        await end_unrun(run)
+
+
+class BatchRun:
+    def __init__(self, ctx: Context, run: Run, index: InputIndex) -> None:
+        self.ctx = ctx
+        self.run = run
+        self.row = run.row  # as the run began
+        self.index = index
+        self.sink = run.new_sink(observe=ctx.metrics.result)
+        self.input_path = ctx.storage.path(run.input_name)  # or its local copy, once the run begins
+        self.deaths_alone: dict[int, int] = {}
+        self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
+        self.last_log = time.monotonic()
+        self._engine_body = batch_line_body(
+            tenant=self.row.owner, by_priority=ctx.batch_priority, shared_cache=ctx.settings.shared_prefix_cache
+        )
+        self.payer = Payer(BATCH, key_label(self.row.owner), self.row.model or "", self.row.id)
+        self._saved_status: BatchStatus | None = None  # as the last checkpoint's write found it
+        self._held_at = -float("inf")  # time.monotonic() when the last checkpoint's write (which renews it) began
+        self._shipped_at = -float("inf")  # time.monotonic() of the last full checkpoint
+
+    def stats(self) -> RunStats | None:
+        """From any thread: the API reads it while the batch runs (None until the run has begun)."""
+        return self.meter.stats(self.sink.progress)
+
+    async def to_end(self) -> None:
+        self.ctx.runs.show(self.row.id, self)
+        try:
+            await self._run()
+        finally:
+            self.ctx.runs.hide(self.row.id, self)
+            await self.sink.abandon()  # after an error: its files are closed now, not when collected
+
+    async def _run(self) -> None:
+        self.input_path = await self.ctx.storage.local_path(self.run.input_name)
+        await self.run.begin_parts(self.sink, self.index.position_of)
+        if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
+            await self._finish(BatchStatus.COMPLETED)
+            return
+        stop_status = None
+        try:
+            if self.row.status == BatchStatus.IN_PROGRESS and not self._expired():
+                stop_status = await self._execute()
+            else:
+                stop_status = (
+                    BatchStatus.CANCELLED if self.row.status == BatchStatus.CANCELLING else BatchStatus.EXPIRED
+                )
+        finally:
+            await self._checkpoint()
+        if stop_status is None:
+            await self._finish(BatchStatus.COMPLETED)
+        else:
+            await self._fill_unfinished(stop_status)
+            await self._finish(stop_status)
+
+    async def _checkpoint(self) -> BatchStatus | None:
+        """The batch's status as the checkpoint's write found it (None: it wrote nothing)."""
+        # With the disk full, results stop here: the room left is for the database to end the batch.
+        self.ctx.storage.check_room()
+        if self.sink.ship is not None and not self._surely_held():
+            # Segments are written before their commit: not by a run that lost its lease.
+            leases.check(await self.run.stored(), self.run.lease)
+        self._charge()
+        self._saved_status = None
+        self._shipped_at = time.monotonic()
+        with self.ctx.metrics.checkpoint_seconds.time():
+            await self.sink.checkpoint(self._save)
+        return self._saved_status
+
+    async def _tick_save(self) -> BatchStatus | None:
+        """A checkpoint; on an object store, one in `SHIP_EVERY`, the live numbers between."""
+        lease = self.run.lease
+        apart = time.monotonic() - self._shipped_at
+        if self.sink.ship is None or lease is None or apart >= SHIP_EVERY * self.ctx.settings.checkpoint_seconds:
+            return await self._checkpoint()
+        writing = time.monotonic()
+        status = await asyncio.to_thread(
+            batches.save_live,
+            db=self.ctx.db,
+            batch_id=self.row.id,
+            lease=lease,
+            lease_seconds=self.ctx.settings.lease_seconds,
+            live=self.stats(),
+        )
+        self._held_at = writing
+        return status
+
+    def _charge(self) -> None:
+        """The engine time the batch's lines used since the last charge, into its counts."""
+        self.sink.progress.gpu_seconds += self.ctx.engine.engine_time.take(self.row.id)
+
+    def _save(self, checkpoint: Checkpoint) -> None:
+        writing = time.monotonic()
+        self._saved_status = batches.save_checkpoint(
+            db=self.ctx.db,
+            batch_id=self.row.id,
+            progress=checkpoint.progress,
+            output_bytes=checkpoint.output_bytes,
+            error_bytes=checkpoint.error_bytes,
+            lease=self.run.lease,
+            lease_seconds=self.ctx.settings.lease_seconds,
+            live=self.stats(),
+        )
+        self._held_at = writing
+
+    def _surely_held(self) -> bool:
+        """Whether the lease is still this run's for sure, without a read: each checkpoint's write renews it, so
+        within half a lease of the last one (the other half for clocks apart) no other service can have taken it."""
+        return time.monotonic() - self._held_at < self.ctx.settings.lease_seconds / 2
+
+    def _expired(self) -> bool:
+        return self.row.expires_at is not None and clock.now() >= self.row.expires_at
+
+    async def _execute(self) -> BatchStatus | None:
+        """None when every line finished; else the terminal status that stopped it."""
+        turn = await self._wait_for_turn()
+        if isinstance(turn, BatchStatus):
+            return turn
+        # Its numbers count from its turn, not its wait.
+        self.meter.begin(done_before=len(self.sink.done), created_ns=self.row.created_ns)
+        stop = asyncio.get_running_loop().create_future()
+        ticker = asyncio.create_task(self._tick(stop))
+        work = asyncio.create_task(self._work(turn))
+        try:
+            await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
+            if stop.done():
+                work.cancel()
+                # gather, not suppress(CancelledError): a cancel of this run itself must not be swallowed here.
+                await asyncio.gather(work, return_exceptions=True)
+                return stop.result()
+            work.result()
+            return None
+        finally:
+            for task in (ticker, work):
+                task.cancel()
+            await asyncio.gather(ticker, work, return_exceptions=True)
+            if stop.done() and not stop.cancelled():
+                stop.exception()  # read when a cancel came with it, or asyncio reports it never retrieved
+            turn.release()  # a run stopped before its feed began has not passed its turn on
+
+    async def _wait_for_turn(self) -> Turn | BatchStatus:
+        """The turn to feed the engine; or, if the batch is cancelled or expires first, the status it ends with.
+        Waiting costs nothing: the batch looks at its status only when the service says something changed."""
+        return await self.ctx.feed.turn_or_end(
+            owner=self.row.owner,
+            created_ns=self.row.created_ns,
+            batch_id=self.row.id,
+            changes=self.ctx.changes,
+            deadline=self.row.expires_at,
+            ending=self._ended_while_waiting,
+        )
+
+    async def _ended_while_waiting(self) -> BatchStatus | None:
+        if self._expired():
+            return BatchStatus.EXPIRED
+        if (await self.run.stored()).status == BatchStatus.CANCELLING:
+            return BatchStatus.CANCELLED
+        return None
+
+    async def _work(self, first_turn: Turn) -> None:
+        """Every pending line to the engine; after an engine death, the lines it took with it first."""
+        groups = await asyncio.to_thread(plan, self.index)
+        pin_to_ranks(groups, self.ctx.ranks)
+        self.meter.mark("planned")
+        suspects: list[int] = []
+        turn: Turn | None = first_turn
+        while True:
+            if suspects:
+                await self._rerun_suspects(suspects)
+            generation = self.ctx.engine.generation
+            in_flight: set[int] = set()
+            try:
+                await self._feed(groups, in_flight, turn)
+                return
+            except EngineDead:
+                turn = None  # passed on: the re-run waits for a turn of its own
+                suspects = sorted(in_flight - self.sink.done)
+                log.warning("batch %s: the engine died with %d of its lines in flight", self.row.id, len(suspects))
+                await self.ctx.engine.recover(generation)
+
+    async def _feed(self, groups: list[Group], in_flight: set[int], turn: Turn | None) -> None:
+        ctx = self.ctx
+        if turn is None:
+            turn = await ctx.feed.turn(owner=self.row.owner, created_ns=self.row.created_ns, batch_id=self.row.id)
+
+        def release() -> None:
+            self.meter.mark("all_sent")
+            turn.release()
+
+        gate = adapter_gate(self.index, ctx.max_loras)
+        if gate is not None:
+            log.info(
+                "batch %s: lines of %d LoRA adapters, fed %d adapters at a time",
+                self.row.id,
+                self.index.adapter_count,
+                ctx.max_loras,
+            )
+        try:
+            lines = ordered_lines(self.input_path, self.index, groups, skip=self.sink.done)
+            await run_lines(
+                failpoints.ARMED.held(lines, ctx.settings.data_dir),
+                executor=self._timed(ctx.engine),
+                endpoint=self.row.endpoint,
+                slots=ctx.window,
+                workers=ctx.max_in_flight,
+                on_outcome=self._record,
+                on_all_submitted=release,
+                in_flight=in_flight,
+                engine_body=self._engine_body,
+                gate=gate,
+                pacer=ctx.window.pacer,
+                ramp=ctx.wave,
+            )
+        finally:
+            release()
+
+    async def _rerun_suspects(self, suspects: list[int]) -> None:
+        """Re-run the lines an engine death took, a group at a time with nothing else in flight; a group that kills
+        the engine again is split, down to single lines. A line that kills it alone `engine_deaths_per_line` times
+        goes to the error file."""
+        queue = deque(_split(suspects))
+        while queue:
+            group = [n for n in queue.popleft() if n not in self.sink.done]
+            if not group:
+                continue
+            generation = self.ctx.engine.generation
+            try:
+                async with self.ctx.engine.isolated() as executor:
+                    await run_lines(
+                        self._lines(group),
+                        executor=self._timed(executor),
+                        endpoint=self.row.endpoint,
+                        slots=FixedSlots(len(group)),
+                        workers=len(group),
+                        on_outcome=self._record,
+                        engine_body=self._engine_body,
+                    )
+            except EngineDead:
+                await self.ctx.engine.recover(generation)
+                unfinished = [n for n in group if n not in self.sink.done]
+                if len(unfinished) == 1:
+                    await self._blame(unfinished[0], queue)
+                else:
+                    queue.extendleft(reversed(_split(unfinished)))
+
+    async def _blame(self, position: int, queue: deque[list[int]]) -> None:
+        deaths = self.deaths_alone.get(position, 0) + 1
+        self.deaths_alone[position] = deaths
+        if deaths < self.ctx.settings.engine_deaths_per_line:
+            queue.appendleft([position])
+            return
+        log.error(
+            "batch %s: line %d killed the engine %d times on its own; it goes to the error file",
+            self.row.id,
+            self.index.numbers[position],
+            deaths,
+        )
+        message = f"The engine died {deaths} times while running this request alone; it was not retried."
+        self.sink.record(position, error_outcome(self.index.custom_ids[position], ENGINE_CRASH_CODE, message))
+
+    async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict, int | None]]:
+        for position, request in self.index.requests(self.input_path, positions):
+            yield position, request, None
+
+    def _timed(self, executor: Executor) -> TimedExecutor:
+        """The lines' seconds in flight go to the engine's time: those of a line withdrawn or aborted are its
+        batch's to pay, though it tells no tokens (`app.domain.cost`)."""
+        engine_time = self.ctx.engine.engine_time
+        return TimedExecutor(
+            executor, lambda seconds, answered: engine_time.timed(self.payer, seconds, answered=answered)
+        )
+
+    def _record(self, position: int, outcome: Outcome) -> None:
+        self.sink.record(position, outcome)
+        self.ctx.engine.engine_time.used(self.payer, weighed_tokens(outcome.usage))
+        self.meter.result()
+
+    async def _tick(self, stop: asyncio.Future) -> None:
+        """Resolves `stop` with the status that stops the run, or with the error a tick raised (a full disk, a lost
+        lease, a database that takes no write): a run without ticks would go on with no checkpoint, deaf to a cancel."""
+        try:
+            status = await self._ticks()
+        except Exception as exc:
+            stop.set_exception(exc)
+        else:
+            stop.set_result(status)
+
+    async def _ticks(self) -> BatchStatus:
+        while True:
+            await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
+            if await self._tick_save() == BatchStatus.CANCELLING:
+                return BatchStatus.CANCELLED
+            if self._expired():
+                return BatchStatus.EXPIRED
+            self.meter.sample(self.sink.progress)
+            self._log_progress()
+
+    def _log_progress(self) -> None:
+        now = time.monotonic()
+        if now - self.last_log < self.ctx.settings.progress_log_seconds:
+            return
+        self.last_log = now
+        stats = self.stats()
+        if stats is None:
+            return
+        progress = self.sink.progress
+        log.info(
+            "batch %s: %d/%d done, %.1f req/s, %.0f output tok/s, ETA %s",
+            self.row.id,
+            progress.completed + progress.failed,
+            self.row.total,
+            stats.requests_per_second,
+            stats.output_tokens_per_second,
+            "unknown yet" if stats.eta_seconds is None else f"{stats.eta_seconds:.0f}s",
+        )
+
+    async def _fill_unfinished(self, status: BatchStatus) -> None:
+        record_unfinished(self.sink, self.index, status)
+        await self._checkpoint()
+
+    async def _finish(self, status: BatchStatus) -> None:
+        self.meter.mark("published")
+        self.meter.sample(self.sink.progress, last=True)
+        self._charge()
+        with self.ctx.metrics.publish_seconds.time():
+            await end_with_results(
+                self.run, self.sink, status, timeline=self.meter.timeline, series=self.meter.series()
+            )
+        log.info(
+            "batch %s: timeline %s",
+            self.row.id,
+            json.dumps(self.meter.timeline),
+            extra={"batch_id": self.row.id, "timeline": self.meter.timeline},
+        )
+
+
+def _split(numbers: list[int]) -> list[list[int]]:
+    size = -(-len(numbers) // SUSPECT_FANOUT)
+    return [numbers[i : i + size] for i in range(0, len(numbers), size)]
