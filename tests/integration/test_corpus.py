@@ -1,49 +1,17 @@
 """The malformed-batch corpus (tests/data/malformed, made by make_corpus.py): each file fails validation with
-its expected first error, directly and through the API, and nothing else is lost on the way."""
+its expected first error, directly and through the API, and nothing else is lost on the way.
+
+Through the app, a socket or a process here; the logic alone is in tests/unit/test_corpus.py."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-import pytest
-
-from app.core.config import Settings
-from app.domain.validation import Limits, validate_file
 from tests.helpers import create_batch, wait_status
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "malformed"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text())
-LIMITS = Limits(
-    endpoint="/v1/chat/completions",
-    served_models=frozenset({"fake-model"}),
-    max_requests=20,
-    max_line_bytes=20_000,
-    max_choices=8,
-)
-
-
-def test_the_corpus_is_big_enough_and_complete():
-    assert len(EXPECTED) >= 40
-    assert sorted(EXPECTED) == sorted(p.name for p in CORPUS.glob("*.jsonl"))
-
-
-@pytest.mark.parametrize("name", sorted(EXPECTED))
-def test_validator_reports_the_expected_first_error(name):
-    report = validate_file(CORPUS / name, LIMITS)
-    first = report.errors[0]
-    assert (first.code, first.line) == (EXPECTED[name]["code"], EXPECTED[name]["line"]), first.message
-
-
-@pytest.fixture
-def settings(tmp_path: Path) -> Settings:
-    return Settings(
-        data_dir=tmp_path / "data",
-        max_requests_per_batch=LIMITS.max_requests,
-        max_line_bytes=LIMITS.max_line_bytes,
-        max_choices_per_request=LIMITS.max_choices,
-        max_active_batches_per_key=0,
-    )
 
 
 # A file that is empty, or whose first line is no JSON object, is refused at upload (OpenAI's "Must be .jsonl");

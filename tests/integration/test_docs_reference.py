@@ -16,7 +16,7 @@ from app import cluster
 from app.core.config import Settings
 from app.openapi import served_openapi
 from app.reference import cli, errors, http, metrics, settings
-from tests.helpers import app_on, request_line
+from tests.helpers import app_on, request_line, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -123,7 +123,11 @@ def test_every_series_the_app_exports_has_an_entry(settings):
     settings.gpu_hour_price = 1.0
     with app_on(settings) as client:
         assert client.post("/v1/chat/completions", json=request_line("x")["body"]).status_code == 200
-        scraped = _families(client.get("/metrics").text)
+        # The engine's batch side (its window and pacing series) is wired once the engine is up, which an online
+        # answer does not wait for: on a busy machine (tests on two workers) a first scrape can come before it.
+        scraped = wait_for(
+            lambda: (found := _families(client.get("/metrics").text)).get("vbatch_batch_window") and found
+        )
     # `_created`: prometheus_client's creation times of counters and histograms, which the parser reads as gauges.
     exported = {
         name: kind for name, kind in scraped.items() if name.startswith("vbatch_") and not name.endswith("_created")
