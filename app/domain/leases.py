@@ -68,11 +68,15 @@ def claim(
             .with_for_update(skip_locked=True)
             .limit(limit)
         )
+        rows = session.exec(statement).all()
+        # From the moment the rows are locked, not from before the wait for a connection and the lock: a claimer
+        # paused in between (a pool's wait, SIGSTOP) came back holding leases already run out (the fleet bench: 4).
+        expires = clock.now_ns() + int(seconds * 1e9)
         leases = []
-        for row in session.exec(statement).all():
+        for row in rows:
             row.lease_holder = holder
             row.lease_token += 1
-            row.lease_expires_ns = now + int(seconds * 1e9)
+            row.lease_expires_ns = expires
             session.add(row)
             leases.append(Lease(row.id, holder, row.lease_token))
         session.commit()

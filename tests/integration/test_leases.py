@@ -60,6 +60,18 @@ def test_each_batch_goes_to_one_of_many_claimers(db):
     assert leases.claim(db=db, holder="late", seconds=30) == []  # all held
 
 
+def test_a_lease_runs_from_when_its_batch_was_locked_not_from_before_the_wait_for_it(db, monkeypatch):
+    [batch_id] = add_running_batches(db, 1)
+    times = iter([1_000 * 10**9, 1_100 * 10**9])  # the claim begins; 100 s later (a pool's wait, a pause) it locks
+
+    monkeypatch.setattr(leases.clock, "now_ns", lambda: next(times))
+    assert len(leases.claim(db=db, holder="a", seconds=30)) == 1
+    monkeypatch.undo()
+    with session_scope(db) as session:
+        row = session.get(BatchRow, batch_id)
+        assert row is not None and row.lease_expires_ns == (1_100 + 30) * 10**9
+
+
 def test_a_lease_that_ran_out_is_taken_over_and_its_old_holder_is_fenced(db):
     [batch_id] = add_running_batches(db, 1)
     [old] = leases.claim(db=db, holder="a", seconds=-1)  # run out already
