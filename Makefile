@@ -47,11 +47,16 @@ demo: setup
 
 # The tiers (README "Tests"): tests/unit (logic alone), tests/integration (the app on real SQLite/Postgres/S3, the
 # fake engine, HTTP, processes), tests/e2e (the real CPU engine), tests/browser (the console in Chromium).
-# `make test` runs them all and prints the slowest tests.
+# `make test` runs them all and prints the slowest tests. The engine's tiers run on two pytest-xdist workers, a module
+# on one (its module-scoped servers start once; the e2e session server once on each worker): their time is mostly
+# engine starts and waits. Unit and integration run in one process: on two workers two of their timing-bound tests
+# (tests/integration/test_roles.py's takeover, test_corpus.py's 20 s wait) lost their race on 2 cores.
 PYTEST := $(BIN)/python -m pytest -q -ra
+PARALLEL := -n 2 --dist loadfile
 
 test: setup
-	$(PYTEST) --durations=25
+	$(PYTEST) --durations=25 tests/unit tests/integration
+	$(PYTEST) $(PARALLEL) --durations=25 tests/e2e tests/browser
 
 test-unit: $(VENV)/.installed
 	$(PYTEST) tests/unit
@@ -64,7 +69,7 @@ test-fast: setup
 	$(PYTEST) --durations=15 tests/unit tests/integration
 
 test-e2e: setup
-	$(PYTEST) --durations=15 tests/e2e
+	$(PYTEST) $(PARALLEL) --durations=15 tests/e2e
 
 test-browser: setup
 	$(PYTEST) --durations=15 tests/browser
