@@ -47,26 +47,23 @@ demo: setup
 
 # The tiers (README "Tests"): tests/unit (logic alone), tests/integration (the app on real SQLite/Postgres/S3, the
 # fake engine, HTTP, processes), tests/e2e (the real CPU engine), tests/browser (the console in Chromium).
-# `make test` runs them all and prints the slowest tests. The engine's tiers run on two pytest-xdist workers, a module
-# on one (its module-scoped servers start once; the e2e session server once on each worker): their time is mostly
-# engine starts and waits. Unit and integration run in one process: on two workers two of their timing-bound tests
-# (tests/integration/test_roles.py's takeover, test_corpus.py's 20 s wait) lost their race on 2 cores.
+# `make test` runs them all on two pytest-xdist workers, a module on one (its module-scoped servers start once; the
+# e2e session server once on each worker that runs an e2e module), and prints the slowest tests.
 PYTEST := $(BIN)/python -m pytest -q -ra
 PARALLEL := -n 2 --dist loadfile
 
 test: setup
-	$(PYTEST) --durations=25 tests/unit tests/integration
-	$(PYTEST) $(PARALLEL) --durations=25 tests/e2e tests/browser
+	$(PYTEST) $(PARALLEL) --durations=25
 
 test-unit: $(VENV)/.installed
 	$(PYTEST) tests/unit
 
 test-integration: setup
-	$(PYTEST) --durations=15 tests/integration
+	$(PYTEST) $(PARALLEL) --durations=15 tests/integration
 
 # Everything but the real engine and the browser.
 test-fast: setup
-	$(PYTEST) --durations=15 tests/unit tests/integration
+	$(PYTEST) $(PARALLEL) --durations=15 tests/unit tests/integration
 
 test-e2e: setup
 	$(PYTEST) $(PARALLEL) --durations=15 tests/e2e
