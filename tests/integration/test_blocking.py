@@ -100,7 +100,7 @@ def test_a_batch_run_that_blocks_its_loop_is_logged_as_the_bug_it_is(monkeypatch
     monkeypatch.setattr(scheduler_module, "run_batch", blocks)
     runs = Runs()
     scheduler = Scheduler(
-        live=None, runs=runs, holder=None, bridge=SimpleNamespace(wake=lambda: None), worker_state=None
+        engine=None, runs=runs, holder=None, bridge=SimpleNamespace(wake=lambda: None), worker_state=None
     )  # type: ignore[arg-type]
     records: list[logging.LogRecord] = []
     handler = logging.Handler()
