@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     gpu_hour_price: float | None = None
     # How often results are fsynced and counts committed with them; a crash re-runs at most this much work.
     checkpoint_seconds: float = 0.5
+    # With VBATCH_STORAGE_URL an object store: how often a running batch ships the results it added as a segment
+    # object, a request per part file, and its counts move on; the checkpoints between save only its live numbers
+    # and renew its lease. A crash re-runs at most this much work.
+    segment_seconds: float = 5.0
     # A service holds each batch it runs on a lease it renews every second (`app.domain.leases`); a service that
     # stops renewing (dead, or stalled) loses its batches to another once this has passed.
     lease_seconds: float = 30.0

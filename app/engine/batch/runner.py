@@ -55,11 +55,6 @@ ENGINE_CRASH_CODE = "engine_crashed"
 RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
 # Lines in flight at an engine death are re-run in this many groups, one group at a time.
 SUSPECT_FANOUT = 8
-# On an object store every checkpoint ships what it adds as a segment, a request per part file: there one tick in
-# this many checkpoints, and the others save only the run's live numbers (its lease renewed, its status read), so a
-# batch ships a segment every 5 s at the default `checkpoint_seconds`, not every half second. Its counts move on at
-# those checkpoints, and a crash re-runs at most that much of its lines.
-SHIP_EVERY = 10
 
 
 async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
@@ -165,10 +160,11 @@ class BatchRun:
         return self._saved_status
 
     async def _tick_save(self) -> BatchStatus | None:
-        """A checkpoint; on an object store, one in `SHIP_EVERY`, the live numbers between."""
+        """A checkpoint; on an object store, one each `segment_seconds` (each ships a segment), the live numbers
+        between."""
         lease = self.run.lease
         apart = time.monotonic() - self._shipped_at
-        if self.sink.ship is None or lease is None or apart >= SHIP_EVERY * self.ctx.settings.checkpoint_seconds:
+        if self.sink.ship is None or lease is None or apart >= self.ctx.settings.segment_seconds:
             return await self._checkpoint()
         writing = time.monotonic()
         status = await asyncio.to_thread(
