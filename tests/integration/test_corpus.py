@@ -8,10 +8,25 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
+from app.core.config import Settings
 from tests.helpers import create_batch, wait_status
 
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "malformed"
 EXPECTED: dict[str, dict] = json.loads((CORPUS / "expected.json").read_text())
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    """The limits the corpus was made against (tests/unit/test_corpus.py's), and every batch of it active at once."""
+    return Settings(
+        data_dir=tmp_path / "data",
+        max_requests_per_batch=20,
+        max_line_bytes=20_000,
+        max_choices_per_request=8,
+        max_active_batches_per_key=0,
+    )
 
 
 # A file that is empty, or whose first line is no JSON object, is refused at upload (OpenAI's "Must be .jsonl");
