@@ -9,66 +9,12 @@ Through the app, a socket or a process here; the logic alone is in tests/unit/te
 from __future__ import annotations
 
 import asyncio
-import random
 from collections import Counter
 from itertools import groupby
 
-from app.domain.input_index import PREFIX_CHARS
-from app.testing import FAKE_MODEL, FakeEngine
+from app.testing import FakeEngine
 from tests.helpers import app_on, create_batch, jsonl, read_jsonl, upload, wait_status
-
-BASE = FAKE_MODEL
-INSTRUCTIONS = {task: f"Task {task}: " + "label the row carefully. " * (PREFIX_CHARS // 20) for task in "PQ"}
-
-
-def line(custom_id: str, model: str | None, task: str | None = None) -> dict:
-    """A chat line on `model` (None: it names none, the base model); `task`: a long shared instruction first."""
-    content = f"{INSTRUCTIONS[task]}\nRow: {custom_id}" if task else f"Short question {custom_id}"
-    body: dict = {"messages": [{"role": "user", "content": content}], "max_tokens": 5}
-    if model is not None:
-        body["model"] = model
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions", "body": body}
-
-
-def shuffled_adapters(count: int, per_adapter: int, seed: int = 30) -> tuple[list[str], list[dict]]:
-    names = [f"lora{i:02}" for i in range(count)]
-    lines = [line(f"{name}-{i}", name) for name in names for i in range(per_adapter)]
-    random.Random(seed).shuffle(lines)
-    return names, lines
-
-
-# The plan.
-
-
-# Which batches are gated.
-
-
-# The feed.
-
-
-class Watching:
-    """An engine that records the adapters in flight at every moment; each answer takes a few turns of the loop,
-    so lines overlap as they do in an engine."""
-
-    def __init__(self) -> None:
-        self.in_flight: Counter[str] = Counter()
-        self.most_adapters = 0
-        self.entered: list[str] = []
-        self.turns = random.Random(7)
-
-    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
-        model = body.get("model", BASE)
-        self.entered.append(model)
-        self.in_flight[model] += 1
-        self.most_adapters = max(self.most_adapters, len(self.in_flight.keys() - {BASE}))
-        try:
-            for _ in range(self.turns.randrange(1, 6)):
-                await asyncio.sleep(0)  # other lines' turns: the engine working, not a wait for a condition
-            return 200, {"model": model, "choices": []}
-        finally:
-            self.in_flight[model] -= 1
-            if not self.in_flight[model]:
-                del self.in_flight[model]
+from tests.unit.test_adapter_order import Watching, shuffled_adapters
 
 
 def test_the_service_feeds_forty_adapters_at_most_max_loras_at_once_and_completes(settings):

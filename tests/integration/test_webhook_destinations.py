@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import datetime
 import ipaddress
-import socket
 import ssl
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,25 +25,7 @@ from app.core.webhooks import Endpoint, send
 from app.testing import free_port
 from tests.helpers import FINAL, app_on, create_batch, jsonl, request_line, serving, upload, wait_for, wait_status
 from tests.integration.test_webhooks import SECRET, Receiver, outbox, receiving, with_webhook
-
-# A global unicast address the test stands in for: requests to it are answered in-process, nothing is dialled.
-PUBLIC = "93.184.215.14"
-
-
-def _answers(monkeypatch, name: str, answer) -> list[str]:
-    """`name` resolves to `answer(lookups so far)` (a list of addresses); every other name as usual."""
-    real = socket.getaddrinfo
-    given: list[str] = []
-
-    def getaddrinfo(host, port, *args, **kwargs):
-        if (host.decode() if isinstance(host, bytes) else host) != name:
-            return real(host, port, *args, **kwargs)
-        addresses = answer(len(given))
-        given.extend(addresses)
-        return [found for address in addresses for found in real(address, port, *args, **kwargs)]
-
-    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
-    return given
+from tests.unit.test_webhook_destinations import PUBLIC, _answers
 
 
 @pytest.fixture
