@@ -290,6 +290,7 @@ class EngineService:
             log.exception("the engine failed to start")
             self.engine.state = "down"
         else:
+            self._scheduler.say_now()  # API replicas list its models within the second
             await freeing
             await self._scheduler.schedule(self._context(serving, db, storage, settings))
         await freeing

@@ -52,6 +52,10 @@ def answering(server: VbatchServer) -> bool:
         return False
 
 
+def listed(client: OpenAI) -> list[str]:
+    return sorted(model.id for model in client.models.list())
+
+
 def create(client: OpenAI, model: str) -> str:
     source = client.files.create(file=("in.jsonl", lines_for(model)), purpose="batch")
     batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -78,7 +82,9 @@ def test_two_batches_for_two_models_through_one_api_are_each_answered_by_the_mod
         servers.append(api)
         api.wait_ready(timeout=120)
         client = OpenAI(base_url=f"{api.base_url}/v1", api_key="e2e", max_retries=0, timeout=60)
-        assert sorted(model.id for model in client.models.list()) == sorted(NAMES)
+        # Each worker says what it serves every second, and at once when its engine is ready; a worker's beat can
+        # wait on a loaded machine's SQLite lock, so the listing is waited for, not read once.
+        wait_for(lambda: listed(client) == sorted(NAMES), timeout=30)
 
         ids = {name: create(client, name) for name in NAMES}
         unserved = create(client, "smol-c")

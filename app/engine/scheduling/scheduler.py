@@ -53,6 +53,7 @@ class Scheduler:
         self.watchdog = Watchdog(runs, retry_seconds=POLL_SECONDS)
         self.bridge = bridge
         self.worker_state = worker_state
+        self._said_changed = asyncio.Event()  # set for a beat now, not at the next second (the engine is ready)
         # Why the loop could not look for work at its last try (None: it could); /health reports it.
         self.error: str | None = None
 
@@ -131,12 +132,27 @@ class Scheduler:
             self.bridge.wake()
 
     async def beat(self, db: Engine) -> None:
-        """Say every second what this service is, for API replicas (`app.domain.workers`); a beat that fails (the
-        database gone for a moment) is tried again at the next."""
+        """Say every second, and at once when told something changed (`say_now`), what this service is, for API
+        replicas (`app.domain.workers`); a beat that fails (the database gone or locked for a moment) is tried again
+        at the next, and a run of failures is logged once: an API replica stops listing a worker 10 s after its last
+        beat."""
+        failing = False
         while True:
-            with contextlib.suppress(Exception):
+            self._said_changed.clear()
+            try:
                 await asyncio.to_thread(workers.beat, db=db, worker=self.worker_state())
-            await asyncio.sleep(POLL_SECONDS)
+            except Exception as exc:
+                if not failing:
+                    log.warning("cannot say this service's state to API replicas (%s); trying every second", exc)
+                failing = True
+            else:
+                failing = False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._said_changed.wait(), POLL_SECONDS)
+
+    def say_now(self) -> None:
+        """The next beat goes now: the engine's state or models changed. From the engine's loop."""
+        self._said_changed.set()
 
     async def listen(self, db: Engine) -> None:
         """Look for work as soon as another process announces some (a batch created through an API replica, shards
