@@ -13,12 +13,13 @@ output file (segments are usually under S3's 5 MiB minimum part, so a server-sid
 
 Requests are counted (the fleet's limits, `docs/explanation/fleet-limits.md`): an upload no larger than a part is one
 PUT, not a multipart upload's three; the segments a process shipped or downloaded are remembered, so a batch's run
-files go at its end in one bulk delete, listing only the parts this process never saw.
+files go at its end in one bulk delete, with one listing for the parts this process never saw.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -236,17 +237,33 @@ class ObjectStorage(Storage):
 
     async def delete_all(self, names: Sequence[str]) -> None:
         """Their local copies, then the objects and the parts' segments in one bulk delete (as many as a request
-        takes); a part this process never shipped nor downloaded is listed first."""
+        takes); the parts this process never shipped nor downloaded (an earlier lease's) are found by one listing
+        under the prefix they share (a batch's id), not one listing each."""
         stored = []
+        unknown = []
         for name in names:
             await super().delete(name)
             stored.append(name)
             if name.endswith(".part"):
                 known = self._segments.pop(name, None)
                 if known is None:
-                    known = [meta["path"] for meta in await obstore.list(self.store, prefix=name).collect_async()]
-                stored.extend(known)
+                    unknown.append(name)
+                else:
+                    stored.extend(known)
+        if unknown:
+            stored.extend(await self._segments_of(unknown))
         await obstore.delete_async(self.store, stored)
+
+    async def _segments_of(self, parts: Sequence[str]) -> list[str]:
+        """The segments of `parts` (of one batch) in the store, from one listing: a list's prefix is a path's
+        (`a/` of `a/b`), not a name's, so it starts after the name the parts share and stops past it."""
+        shared = os.path.commonprefix(list(parts))  # noqa: RUF071 - names, not paths: the characters they share
+        found = []
+        async for page in obstore.list(self.store, offset=shared, chunk_size=1000):
+            found.extend(meta["path"] for meta in page)
+            if not found or not found[-1].startswith(shared):
+                break
+        return [path for path in found if "/" in path and path.partition("/")[0] in parts]
 
     def exists(self, name: str) -> bool:
         refuse_on_loop("obstore.head")

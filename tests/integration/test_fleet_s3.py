@@ -1,6 +1,6 @@
 """What a fleet asks of its S3 store, counted in the store's own request log (moto's server, issue 41): an upload no
 larger than a part is one PUT, not a multipart upload's three, a batch's run files go at its end in one bulk delete,
-listing only the parts its process never shipped nor downloaded, and a running batch ships a segment each
+with one listing for the parts its process never shipped nor downloaded, and a running batch ships a segment each
 `segment_seconds`, not at each checkpoint."""
 
 from __future__ import annotations
@@ -74,6 +74,10 @@ def test_a_batch_s_run_files_go_in_one_bulk_delete(s3, storage):
     for name, data in ((f"{batch_id}.index", b"i"), (f"{batch_id}.input", b"in")):
         asyncio.run(storage.save_bytes(name, data))
     obstore.put(storage.store, f"{earlier_output}/{0:016d}-{4:016d}", b"ab\ncd")
+    # Other batches' objects, named just before and after this one's: the listing passes them by.
+    others = ["batch_fleea.index", f"batch_fleet2.output.part/{0:016d}-{4:016d}", "batch_fleez.input"]
+    for name in others:
+        obstore.put(storage.store, name, b"theirs")
 
     async def run() -> None:
         own = [storage.path(name) for name in names[4:6]]  # token 2's: this process's run
@@ -83,11 +87,12 @@ def test_a_batch_s_run_files_go_in_one_bulk_delete(s3, storage):
         await ship((2, b"x\n"), (2, b"x\n"))
         with requests_to(s3) as counted:
             await storage.delete_all(names)
-        # Tokens 0 and 1's parts were never seen here: listed. Token 2's segments are known. One delete for all.
-        assert counted == Counter({"GET ?list-type": 4, "POST ?delete": 1})
+        # Tokens 0 and 1's parts were never seen here: one listing under the batch's id finds them (token 1's
+        # segment). Token 2's segments are known. One delete for all.
+        assert counted == Counter({"GET ?list-type": 1, "POST ?delete": 1})
 
     asyncio.run(run())
-    assert [meta["path"] for batch in obstore.list(storage.store) for meta in batch] == []
+    assert sorted(meta["path"] for batch in obstore.list(storage.store) for meta in batch) == others
 
 
 @pytest.mark.parametrize("backend", ["postgres_s3"], indirect=True)
