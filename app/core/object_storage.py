@@ -258,7 +258,7 @@ class ObjectStorage(Storage):
         """The segments of `parts` (of one batch) in the store, from one listing: a list's prefix is a path's
         (`a/` of `a/b`), not a name's, so it starts after the name the parts share and stops past it."""
         shared = os.path.commonprefix(list(parts))  # noqa: RUF071 - names, not paths: the characters they share
-        found = []
+        found: list[str] = []
         async for page in obstore.list(self.store, offset=shared, chunk_size=1000):
             found.extend(meta["path"] for meta in page)
             if not found or not found[-1].startswith(shared):
