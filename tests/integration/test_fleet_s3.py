@@ -19,7 +19,7 @@ import pytest
 from app.core.object_storage import UPLOAD_PART_BYTES, ObjectStorage
 from app.domain.results import run_files
 from app.testing import LocalS3
-from tests.helpers import create_batch, jsonl, request_line, upload, wait_status
+from tests.helpers import create_batch, jsonl, request_line, upload, wait_for, wait_status
 
 REQUEST = re.compile(r'"(GET|PUT|POST|DELETE|HEAD) (\S+) HTTP/[\d.]+" \d+')
 
@@ -110,3 +110,18 @@ def test_a_batch_ships_a_segment_each_segment_seconds_not_at_each_checkpoint(s3,
     checkpoints = seconds / 0.05  # the tests' checkpoint_seconds
     assert checkpoints > 20  # long enough that every checkpoint shipping would show
     assert len(segments) <= seconds / 5.0 + 2  # the default segment_seconds
+
+
+@pytest.mark.parametrize("backend", ["postgres_s3"], indirect=True)
+def test_a_100_line_batch_costs_its_worker_eight_requests(s3, client, backend):
+    """What `docs/explanation/fleet-limits.md` counts a batch at (the upload's PUT aside): the input's copy to the
+    batch's own name (a PUT) and its one GET, the index's PUT, one segment, the output file, one listing of the parts
+    an earlier lease might have left, and one bulk delete of its run files, which comes just after the batch ends."""
+    source = upload(client, jsonl([request_line(f"r{i}") for i in range(100)]))
+    log = Path(s3.log.name)
+    start = log.stat().st_size
+    with requests_to(s3) as counted:
+        batch = create_batch(client, source["id"])
+        assert wait_status(client, batch["id"], {"completed"}, timeout=60)["request_counts"]["completed"] == 100
+        wait_for(lambda: b"POST /" in log.read_bytes()[start:] and b"?delete" in log.read_bytes()[start:])
+    assert counted == Counter({"PUT": 4, "GET": 1, "GET ?list-type": 1, "POST ?delete": 1}), counted
