@@ -55,7 +55,7 @@ def claim(
     """Leases on active batches no one holds (by turn: round robin over keys; at most `limit`), each with a new
     token. With `models`
     (a worker beside others), only batches for one of them or for no model in particular, and those any worker
-    can end: being cancelled, or past their completion window (`app.engine.batch.ending.end_unserved`). A batch for a
+    can end: being cancelled, or past their completion window (`app.engine.batch.ending.Unserved`). A batch for a
     model no worker serves waits for one until then, and no longer."""
     now = clock.now_ns()
     with write_scope(db) as session:

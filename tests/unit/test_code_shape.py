@@ -1,8 +1,9 @@
 """The code's shape, read from the source with `ast` (nothing of `app` is imported): no import cycle among app's
 modules, no import of a higher layer from a lower one (nor, inside the engine, of a higher room from a
-lower one), no function of 60 lines or more, and no blocking file, database
+lower one), no function of 60 lines or more, no blocking file, database
 or object-store call in a coroutine's own body (where it would stall its event loop; `app.core.blocking` catches the
-database and store calls the tests reach at run time, this the ones they do not).
+database and store calls the tests reach at run time, this the ones they do not), and no write of a batch's
+ending outside the one function that writes them all.
 
 Every import counts wherever it is written: at the top, inside a function (a real dependency, only later), and
 under `if TYPE_CHECKING:` (a type names what the module is built on as much as a call does).
@@ -58,6 +59,15 @@ BLOCKING_ALLOWED = {
     "app/core/object_storage.py:delete: obstore.list",
     "app/core/object_storage.py:delete_all: obstore.list",
 }
+
+# The writes that can end a batch (`app.domain.batches`): a terminal status is written by one function,
+# `app.engine.batch.ending._write_end`, which every ending (the run's one exit, `ending.end`, and the watchdog's
+# `end_overdue`) reaches through `cancel_wins`. A `transition` ends one unless its `to=` names a status that is not
+# final. Allowed elsewhere, each with its reason: "file:function" (none: nothing outside a run ends a batch).
+ENDING_WRITES = frozenset({"end_with_files", "end_with_errors", "transition"})
+NOT_FINAL = frozenset({"VALIDATING", "IN_PROGRESS", "FINALIZING", "CANCELLING"})
+ENDING_WRITER = "app/engine/batch/ending.py:_write_end"
+ENDING_WRITES_ALLOWED: dict[str, str] = {}
 
 
 @dataclass(frozen=True)
@@ -273,6 +283,50 @@ def blocking_calls(root: Path) -> list[str]:
     return problems
 
 
+def ending_writes(root: Path) -> list[tuple[str, str, int]]:
+    """Each write that can end a batch, called or handed on (`asyncio.to_thread(batches.end_with_files, ...)`): the
+    "file:function" it is in, the write, its line."""
+    found = []
+    for path in modules(root).values():
+        where = str(path.relative_to(root.parent))
+        for function in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(function, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for call in _own_calls(function):
+                for named in (call.func, *call.args):
+                    write = _called(named).rsplit(".", 1)[-1]
+                    if write in ENDING_WRITES and _can_end(write, call):
+                        found.append((f"{where}:{function.name}", write, call.lineno))
+    return sorted(found, key=lambda found: (found[0], found[2]))
+
+
+def _own_calls(function: ast.FunctionDef | ast.AsyncFunctionDef) -> Iterator[ast.Call]:
+    """The calls in `function`'s body, not in a def nested in it (which is walked as a function of its own)."""
+    stack: list[ast.AST] = list(function.body)
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            continue
+        if isinstance(node, ast.Call):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def _can_end(write: str, call: ast.Call) -> bool:
+    if write != "transition":
+        return True
+    to = next((keyword.value for keyword in call.keywords if keyword.arg == "to"), None)
+    return not (isinstance(to, ast.Attribute) and to.attr in NOT_FINAL)
+
+
+def misplaced_ending_writes(root: Path) -> list[str]:
+    return [
+        f"{where} (line {line}) writes a batch's ending ({write}): only {ENDING_WRITER} may"
+        for where, write, line in ending_writes(root)
+        if where != ENDING_WRITER and where not in ENDING_WRITES_ALLOWED
+    ]
+
+
 def test_every_module_has_a_layer():
     problems = [name for name in modules(APP) if layer_of(name) is None]
     assert not problems, "\n".join(problems)
@@ -306,6 +360,17 @@ def test_no_function_reaches_60_lines():
 def test_no_coroutine_blocks_its_loop_on_files_the_database_or_the_store():
     problems = blocking_calls(APP)
     assert not problems, "\n".join(problems)
+
+
+def test_every_ending_is_written_by_one_function():
+    problems = misplaced_ending_writes(APP)
+    assert not problems, "\n".join(problems)
+
+
+def test_the_scan_sees_the_ending_writes_that_are_there():
+    """The guard above passes on no write at all too: it means something only while the scan finds the writes."""
+    written = {write for where, write, _ in ending_writes(APP) if where == ENDING_WRITER}
+    assert written == {"end_with_files", "end_with_errors", "transition"}
 
 
 def test_the_scan_sees_the_imports_that_are_there():
@@ -389,3 +454,32 @@ def test_the_room_guard_names_what_breaks_it(tmp_path):
         "room sharing may not import from room batch",
     ]
     assert roomless(app) == ["app.engine.loose"]
+
+
+def test_the_ending_guard_names_what_breaks_it(tmp_path):
+    app = _package(
+        tmp_path,
+        {
+            "__init__.py": "",
+            "engine/__init__.py": "",
+            "engine/batch/__init__.py": "",
+            "engine/batch/ending.py": "async def _write_end(run, status):\n"
+            "    await asyncio.to_thread(batches.end_with_files, db=run.db, to=status)\n"
+            "    batches.transition(db=run.db, to=BatchStatus.CANCELLED)\n",
+            "engine/batch/runner.py": "async def finish(run, status):\n"
+            "    await asyncio.to_thread(batches.transition, db=run.db, to=BatchStatus.FINALIZING)\n"
+            "    await asyncio.to_thread(batches.end_with_errors, db=run.db, to=status, errors=[])\n"
+            "    def cancel():\n"
+            "        batches.transition(db=run.db, batch_id=run.id, to=BatchStatus.CANCELLED)\n"
+            "    await asyncio.to_thread(batches.transition, db=run.db, to=status)\n",
+        },
+    )
+    assert misplaced_ending_writes(app) == [
+        f"app/engine/batch/runner.py:{function} (line {line}) writes a batch's ending ({write}): "
+        f"only {ENDING_WRITER} may"
+        for function, line, write in (
+            ("cancel", 5, "transition"),
+            ("finish", 3, "end_with_errors"),
+            ("finish", 6, "transition"),
+        )
+    ]

@@ -1,24 +1,32 @@
 """Every way a batch ends, decided here and nowhere else: completed, failed, cancelled, expired, out of disk, from
 its last checkpoint, a parent of shards, without its input, cancelled before it ran, and the watchdog's.
 
+A batch's run tells what happened (a `RunOutcome`: `Unserved`, `Refused`, `InputGone`, `CancelledFirst`, `Ran`,
+`OutOfDisk`) and `end`, the run's one exit, chooses the ending from it. The one other caller is the watchdog, whose
+`end_overdue` ends a batch whose run is stuck. Every terminal status is written by one function, `_write_end`
+(`tests/unit/test_code_shape.py` checks that no other code writes one).
+
 One rule chooses between them, `cancel_wins`: a batch being cancelled ends cancelled, whatever else would have
 ended it. Every ending applies it to the batch as its run last saw it and, when the move is refused because a
 cancel came in between, to the batch as it is now (`_settle`).
 
-A run ends its batch itself (`end_with_results`): its result parts become File objects in the transaction that
-makes it final. When it cannot, because the disk filled up under it, or it raised something unexpected, or it
-outlived its completion window, `end_from_checkpoint` ends the batch with what its last checkpoint holds: those
+A run that ran ends its batch with its results (`Ran`): its result parts become File objects in the transaction that
+makes it final. When it cannot, because the disk filled up under it (`OutOfDisk`), or it raised something unexpected,
+or it outlived its completion window, `_end_from_checkpoint` ends the batch with what its last checkpoint holds: those
 lines are in its output and error files, nothing is lost that was counted, and the batch stops holding a slot of
 its key's active-batch limit. `end_overdue`, the watchdog's, ends it even when that raises: whatever its lines hold,
-a batch ends. A batch that ends before it runs a line (its input unreadable, invalid or gone, or cancelled first)
-ends by `end_unrun`.
+a batch ends. A batch that ends before it runs a line (its model unserved, its input invalid or gone, or cancelled
+first) ends by `_end_unrun`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, TypeVar
 
@@ -56,6 +64,97 @@ NO_RESULTS_WRITTEN = BatchError(
     message="This batch's results could not be written when it ended, so it has no output or error file; submit its "
     "requests again.",
 )
+
+
+@dataclass(frozen=True)
+class Unserved:
+    """Its window ended before any worker served its model: no line ran."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """Its input failed validation with `errors`: no line ran."""
+
+    errors: Sequence[BatchError]
+
+
+@dataclass(frozen=True)
+class InputGone:
+    """Its input cannot be read (deleted, or gone before vbatch kept its own): no line ran."""
+
+
+@dataclass(frozen=True)
+class CancelledFirst:
+    """A cancel came before it ran a line."""
+
+
+@dataclass(frozen=True)
+class Ran:
+    """It ran (or, a parent, its shards did) to `wanted`: completed, or stopped cancelled or expired, each line with
+    its result in `sink`. `shards` go after the commit that ends their parent; `timer` times the ending."""
+
+    sink: ResultSink
+    wanted: BatchStatus
+    timeline: dict[str, float] = field(default_factory=dict)
+    series: Sequence[Sequence[float]] = ()
+    errors: Sequence[BatchError] = ()
+    shards: Sequence[BatchRow] = ()
+    timer: AbstractContextManager[object] = field(default_factory=nullcontext)
+
+
+@dataclass(frozen=True)
+class OutOfDisk:
+    """The disk filled up under it."""
+
+
+# What a batch's run tells `end` about how it went; `end` chooses the ending.
+RunOutcome = Unserved | Refused | InputGone | CancelledFirst | Ran | OutOfDisk
+
+
+async def end(run: Run, outcome: RunOutcome) -> None:
+    """The one exit of a batch's run: its ending, chosen from `outcome` (and by `cancel_wins`)."""
+    match outcome:
+        case Unserved():
+            await _end_unserved(run)
+        case Refused(errors):
+            await _end_unrun(run, errors)
+        case InputGone():
+            await _end_unrun(run, [input_gone(run)])
+        case CancelledFirst():
+            await _end_unrun(run)
+        case Ran():
+            await _end_ran(run, outcome)
+        case OutOfDisk():
+            await _end_out_of_disk(run)
+
+
+async def _end_ran(run: Run, ran: Ran) -> None:
+    with ran.timer:
+        await _end_with_results(run, ran.sink, ran.wanted, timeline=ran.timeline, series=ran.series, errors=ran.errors)
+    if ran.shards:
+        await batches.forget_shards(db=run.db, storage=run.storage, shards=ran.shards)
+    if ran.timeline:
+        fields = {"batch_id": run.id, "timeline": ran.timeline}
+        log.info("batch %s: timeline %s", run.id, json.dumps(ran.timeline), extra=fields)
+
+
+async def _write_end(
+    run: Run, status: BatchStatus, *, errors: Sequence[BatchError] = (), results: dict[str, Any] | None = None
+) -> BatchRow:
+    """Every terminal status of a batch is written here (the move fails if another came first): with its result
+    files and counts (`results`); or, ended before it ran a line, with `errors` alone, or, cancelled, nothing."""
+    if results is not None:
+        return await asyncio.to_thread(
+            batches.end_with_files, db=run.db, batch_id=run.id, to=status, lease=run.lease, errors=errors, **results
+        )
+    if status == BatchStatus.CANCELLED:
+        return await asyncio.to_thread(
+            batches.transition, db=run.db, batch_id=run.id, to=BatchStatus.CANCELLED, lease=run.lease
+        )
+    return await asyncio.to_thread(
+        batches.end_with_errors, db=run.db, batch_id=run.id, to=status, errors=errors, lease=run.lease
+    )
+
 
 # Makes the ending `cancel_wins` chose (a database move, on a thread); returns the batch as it left it, if it moved it.
 End = Callable[[BatchStatus], Awaitable[BatchRow | None]]
@@ -109,7 +208,7 @@ def input_gone(run: Run) -> BatchError:
     return BatchError(code="file_not_found", message=f"The input file {run.row.input_file_id} cannot be read.")
 
 
-async def end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchStatus = BatchStatus.FAILED) -> None:
+async def _end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchStatus = BatchStatus.FAILED) -> None:
     """A batch that ends without running a line more: `wanted` (failed: its input unreadable, invalid or gone)
     with `errors` or, being cancelled, cancelled, its run files gone first (nothing of its own is needed any
     more)."""
@@ -117,12 +216,7 @@ async def end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchSt
     async def end(status: BatchStatus) -> BatchRow:
         if status == BatchStatus.CANCELLED:
             await _delete_all(run.storage, run.run_files)
-            return await asyncio.to_thread(
-                batches.transition, db=run.db, batch_id=run.id, to=BatchStatus.CANCELLED, lease=run.lease
-            )
-        return await asyncio.to_thread(
-            batches.end_with_errors, db=run.db, batch_id=run.id, to=status, errors=errors, lease=run.lease
-        )
+        return await _write_end(run, status, errors=errors)
 
     status = await _settle(run, wanted, end)
     log.info("batch %s: %s before it ran", run.id, status, extra={"batch_id": run.id, "event": f"batch.{status}"})
@@ -135,7 +229,7 @@ def unserved(row: BatchRow, served_models: Sequence[str]) -> bool:
     return row.status == BatchStatus.VALIDATING and ended and row.model not in (None, *served_models)
 
 
-async def end_unserved(run: Run) -> None:
+async def _end_unserved(run: Run) -> None:
     """Expired, as OpenAI ends a batch its completion window outlived (`failed` is for an input found invalid,
     which this one never was), with an error that says which model no worker served. No line ran, and its lines
     were never read: it has no result files."""
@@ -145,10 +239,10 @@ async def end_unserved(run: Run) -> None:
         "of its requests ran.",
         param="model",
     )
-    await end_unrun(run, [error], wanted=BatchStatus.EXPIRED)
+    await _end_unrun(run, [error], wanted=BatchStatus.EXPIRED)
 
 
-async def end_with_results(
+async def _end_with_results(
     run: Run,
     sink: ResultSink,
     wanted: BatchStatus,
@@ -167,24 +261,19 @@ async def end_with_results(
     error = await _result_file(run, sink.errors, "error")
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
 
-    commit = _ending_commit(
-        run, output=output, error=error, progress=sink.progress, timeline=timeline, series=series, errors=errors
-    )
+    results = {"output": output, "error": error, "progress": sink.progress, "timeline": timeline, "series": series}
+    commit = _ending_commit(run, errors, results)
     status = await _unstoppable(_commit_then_delete(run, wanted, commit))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": run.id, "event": f"batch.{status}", **done}
     log.info("batch %s: %s, %d completed, %d failed", run.id, status, done["completed"], done["failed"], extra=fields)
 
 
-def _ending_commit(run: Run, **ended_with: Any) -> Callable[[BatchStatus], Awaitable[BatchRow]]:
+def _ending_commit(
+    run: Run, errors: Sequence[BatchError], results: dict[str, Any]
+) -> Callable[[BatchStatus], Awaitable[BatchRow]]:
     """The transaction that ends `run`'s batch, as whichever status `_settle` decides, with these files and counts."""
-
-    async def commit(status: BatchStatus) -> BatchRow:
-        return await asyncio.to_thread(
-            batches.end_with_files, db=run.db, batch_id=run.id, to=status, lease=run.lease, **ended_with
-        )
-
-    return commit
+    return partial(_write_end, run, errors=errors, results=results)
 
 
 async def _finalizing(run: Run, status: BatchStatus) -> BatchRow | None:
@@ -238,15 +327,15 @@ async def _result_file(run: Run, appender: ResultAppender, kind: str) -> FileRow
     )
 
 
-async def end_out_of_disk(run: Run) -> None:
+async def _end_out_of_disk(run: Run) -> None:
     """The disk filled up under the run: the batch fails at once with what its last checkpoint holds (the reserve
     released, the room left is the database's)."""
     run.storage.reserve.release()
     log.error("batch %s: the disk is full; the batch fails with the results it has", run.id)
-    await end_from_checkpoint(run, BatchStatus.FAILED, [DISK_FULL])
+    await _end_from_checkpoint(run, BatchStatus.FAILED, [DISK_FULL])
 
 
-async def end_from_checkpoint(
+async def _end_from_checkpoint(
     run: Run, wanted: BatchStatus, errors: Sequence[BatchError], *, fill_unfinished: bool = True
 ) -> None:
     """End the batch as `wanted` (as `cancel_wins` says) with the results its checkpoint counts. Unless the disk is
@@ -263,7 +352,7 @@ async def end_from_checkpoint(
     try:
         if fill_unfinished and run.index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
             sink = await _with_unfinished(run, run.index, sink, status)
-        await end_with_results(run, sink, status, timeline={}, errors=errors)
+        await _end_with_results(run, sink, status, timeline={}, errors=errors)
     except BaseException:
         await sink.abandon()  # its files closed now: the next try opens them again, cut back to the checkpoint
         raise
@@ -291,9 +380,9 @@ async def end_overdue(run: Run, *, quiet: bool) -> bool:
     request that never ran; if that raises, failed (or cancelled) with only the checkpoint's results; if even that
     raises, with no result files, which takes nothing but a database write. False only when that write failed too;
     each failure is logged with its traceback unless `quiet` (a batch already tried)."""
-    expired = partial(end_from_checkpoint, run, BatchStatus.EXPIRED, ())
-    failed = partial(end_from_checkpoint, run, BatchStatus.FAILED, [RESULTS_NOT_WRITTEN], fill_unfinished=False)
-    bare = partial(end_without_results, run)
+    expired = partial(_end_from_checkpoint, run, BatchStatus.EXPIRED, ())
+    failed = partial(_end_from_checkpoint, run, BatchStatus.FAILED, [RESULTS_NOT_WRITTEN], fill_unfinished=False)
+    bare = partial(_end_without_results, run)
     endings = (("as expired", expired), ("with its checkpoint's results", failed), ("without result files", bare))
     for how, end in endings:
         try:
@@ -306,7 +395,7 @@ async def end_overdue(run: Run, *, quiet: bool) -> bool:
     return False
 
 
-async def end_without_results(run: Run) -> None:
+async def _end_without_results(run: Run) -> None:
     """End the batch failed (cancelled, if it was being cancelled) with no result files and no counts, saying so;
     its run files go if they can (the sweep at the next start takes what is left)."""
     stored = await run.stored()
@@ -314,7 +403,8 @@ async def end_without_results(run: Run) -> None:
         return
     run.row = stored
 
-    commit = _ending_commit(run, output=None, error=None, progress=Progress(), timeline={}, errors=[NO_RESULTS_WRITTEN])
+    results: dict[str, Any] = {"output": None, "error": None, "progress": Progress(), "timeline": {}}
+    commit = _ending_commit(run, [NO_RESULTS_WRITTEN], results)
     status = await _settle(run, BatchStatus.FAILED, commit)
     log.error("batch %s: ended %s without result files", run.id, status)
     try:

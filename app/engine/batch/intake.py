@@ -17,7 +17,7 @@ from app.domain.input_index import InputIndex
 from app.domain.lifecycle import InvalidTransition
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.batch.context import Context
-from app.engine.batch.ending import end_unrun, input_gone
+from app.engine.batch.ending import CancelledFirst, InputGone, Refused
 from app.engine.batch.run import Run
 from app.engine.batch.shards import make_shards
 
@@ -34,11 +34,11 @@ def _limits(ctx: Context, run: Run) -> Limits:
     )
 
 
-async def validate(ctx: Context, run: Run) -> bool:
+async def validate(ctx: Context, run: Run) -> Refused | InputGone | CancelledFirst | None:
     """The input's one full read: every line checked and, if all are good, indexed; the index is kept beside the
-    batch's results before the batch starts, so a restart never reads the input whole again. True once the batch
-    has started (`run.index` set if it runs lines of its own); else it has ended, failed or, if a cancel came at
-    any point of it, cancelled."""
+    batch's results before the batch starts, so a restart never reads the input whole again. None once the batch
+    has started (`run.index` set if it runs lines of its own); else why it did not, for `ending.end` to end it
+    (where a cancel that came at any point of it wins)."""
     row = run.row
     try:
         source = await asyncio.to_thread(files.get, db=ctx.db, file_id=row.input_file_id, owner=None)
@@ -47,15 +47,13 @@ async def validate(ctx: Context, run: Run) -> bool:
         if is_disk_full(exc):
             raise
         log.warning("batch %s: input file unreadable: %s", row.id, type(exc).__name__)
-        await end_unrun(run, [input_gone(run)])
-        return False
+        return InputGone()
     if not report.ok:
         fields = {"batch_id": row.id, "event": "batch.validation_failed", "errors": report.error_count}
         log.info("batch %s: failed validation with %d errors", row.id, report.error_count, extra=fields)
         for error in report.errors:
             ctx.metrics.validation_failures.labels(error.code or "unknown").inc()
-        await end_unrun(run, report.errors)
-        return False
+        return Refused(report.errors)
     await ctx.storage.save_bytes(run.index_name, report.index.to_bytes())
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
@@ -65,13 +63,12 @@ async def validate(ctx: Context, run: Run) -> bool:
         run.row = await asyncio.to_thread(
             batches.start, db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=run.lease, shards=shards
         )
-    except InvalidTransition:  # a cancel came first: the batch ends as it says
-        await end_unrun(run)
-        return False
+    except InvalidTransition:  # a cancel came first
+        return CancelledFirst()
     ctx.announce(report.found_adapters)
     # A parent of shards runs none of its lines itself (`shards.run_parent`).
     run.index = None if shards else report.index
-    return True
+    return None
 
 
 async def load_index(ctx: Context, run: Run) -> InputIndex:

@@ -1,6 +1,7 @@
-"""One batch's life in the engine loop, top to bottom: resolved once into a `Run` (`run.py`), its input taken in
-(`intake.py`), then run (or, cut into shards, waited for: `shards.py`) and ended (`ending.py`, which decides every
-ending: completed, cancelled, expired, or failed with a full disk).
+"""One batch's story, top to bottom: resolved once into a `Run` (`run.py`), validated (`intake.py`), then planned
+and fed (`BatchRun`) or, cut into shards, waited for and joined (`shards.py`), finished, and ended at one exit,
+`ending.end`, which chooses the ending from what the story tells (a `RunOutcome`): completed, cancelled, expired, or
+failed with a full disk.
 
 Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
 when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
@@ -11,11 +12,12 @@ objects in the same transaction that ends the batch.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from types import TracebackType
 
 from app.core import clock, failpoints
 from app.core.disk import is_disk_full
@@ -29,11 +31,13 @@ from app.domain.results import Outcome, error_outcome
 from app.domain.schemas import RunStats
 from app.engine.batch.context import Context
 from app.engine.batch.ending import (
-    end_out_of_disk,
-    end_unrun,
-    end_unserved,
-    end_with_results,
-    input_gone,
+    CancelledFirst,
+    InputGone,
+    OutOfDisk,
+    Ran,
+    RunOutcome,
+    Unserved,
+    end,
     record_unfinished,
     unserved,
 )
@@ -58,38 +62,46 @@ SUSPECT_FANOUT = 8
 
 
 async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
-    """Run the batch to its end under `lease`; a full disk ends it at once, failed, with what its last checkpoint
-    holds. The batch is resolved here, once, into the `Run` every step receives."""
+    """Run the batch to its end under `lease`: its story, then its ending (`ending.end`, the one exit); a full disk,
+    in either, ends it at once, failed, with what its last checkpoint holds. The batch is resolved here, once, into
+    the `Run` every step receives."""
     run = await Run.resolve(db=ctx.db, storage=ctx.storage, settings=ctx.settings, batch_id=batch_id, lease=lease)
     try:
-        await _run_batch(ctx, run)
+        # What the story holds until its batch has ended (a run's live numbers, its sink); let go before a full
+        # disk's ending, which opens the part files again from the checkpoint.
+        async with AsyncExitStack() as held:
+            outcome = await _story(ctx, run, held)
+            if outcome is not None:
+                await end(run, outcome)
     except Exception as exc:
         if not is_disk_full(exc):
             raise
-        await end_out_of_disk(run)
+        await end(run, OutOfDisk())
 
 
-async def _run_batch(ctx: Context, run: Run) -> None:
+async def _story(ctx: Context, run: Run, held: AsyncExitStack) -> RunOutcome | None:
+    """validate -> plan (or shards) -> feed -> finish: what happened, for `end` to choose the ending from; None when
+    the batch is not this run's to end (it has ended meanwhile)."""
     if unserved(run.row, ctx.served_models):
-        await end_unserved(run)
-        return
-    if run.row.status == BatchStatus.VALIDATING and not await validate(ctx, run):
-        return
+        return Unserved()
+    if run.row.status == BatchStatus.VALIDATING and (refused := await validate(ctx, run)) is not None:
+        return refused
     row = run.row
     if row.status in RUNNING and row.shards:
-        await run_parent(ctx, run)
-    elif row.status in RUNNING and row.in_progress_at is not None:
+        return await run_parent(ctx, run)
+    if row.status in RUNNING and row.in_progress_at is not None:
         if run.index is None:
             try:
                 run.index = await load_index(ctx, run)
             except FileNotFoundError:
                 # Began before vbatch kept its own input, which has since gone: it ends rather than wait.
                 log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
-                await end_unrun(run, [input_gone(run)])
-                return
-        await BatchRun(ctx, run, run.index).to_end()
-    elif row.status == BatchStatus.CANCELLING:  # cancelled before it ran a line
-        await end_unrun(run)
+                return InputGone()
+        batch = await held.enter_async_context(BatchRun(ctx, run, run.index))
+        return await batch.run_to_finish()
+    if row.status == BatchStatus.CANCELLING:
+        return CancelledFirst()
+    return None
 
 
 class BatchRun:
@@ -115,20 +127,24 @@ class BatchRun:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
         return self.meter.stats(self.sink.progress)
 
-    async def to_end(self) -> None:
+    async def __aenter__(self) -> BatchRun:
+        """Shown (its live numbers) until its batch has ended."""
         self.ctx.runs.show(self.row.id, self)
-        try:
-            await self._run()
-        finally:
-            self.ctx.runs.hide(self.row.id, self)
-            await self.sink.abandon()  # after an error: its files are closed now, not when collected
+        return self
 
-    async def _run(self) -> None:
+    async def __aexit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, trace: TracebackType | None
+    ) -> None:
+        self.ctx.runs.hide(self.row.id, self)
+        await self.sink.abandon()  # after an error: its files are closed now, not when collected
+
+    async def run_to_finish(self) -> Ran:
+        """Feed its lines until every one has its result, or a cancel or its window's end stops it (the others then
+        get their error line); its results, to end the batch with."""
         self.input_path = await self.ctx.storage.local_path(self.run.input_name)
         await self.run.begin_parts(self.sink, self.index.position_of)
         if self.row.status == BatchStatus.FINALIZING:  # stopped while publishing: every line has its result
-            await self._finish(BatchStatus.COMPLETED)
-            return
+            return self._finished(BatchStatus.COMPLETED)
         stop_status = None
         try:
             if self.row.status == BatchStatus.IN_PROGRESS and not self._expired():
@@ -140,10 +156,9 @@ class BatchRun:
         finally:
             await self._checkpoint()
         if stop_status is None:
-            await self._finish(BatchStatus.COMPLETED)
-        else:
-            await self._fill_unfinished(stop_status)
-            await self._finish(stop_status)
+            return self._finished(BatchStatus.COMPLETED)
+        await self._fill_unfinished(stop_status)
+        return self._finished(stop_status)
 
     async def _checkpoint(self) -> BatchStatus | None:
         """The batch's status as the checkpoint's write found it (None: it wrote nothing)."""
@@ -411,20 +426,12 @@ class BatchRun:
         record_unfinished(self.sink, self.index, status)
         await self._checkpoint()
 
-    async def _finish(self, status: BatchStatus) -> None:
+    def _finished(self, status: BatchStatus) -> Ran:
         self.meter.mark("published")
         self.meter.sample(self.sink.progress, last=True)
         self._charge()
-        with self.ctx.metrics.publish_seconds.time():
-            await end_with_results(
-                self.run, self.sink, status, timeline=self.meter.timeline, series=self.meter.series()
-            )
-        log.info(
-            "batch %s: timeline %s",
-            self.row.id,
-            json.dumps(self.meter.timeline),
-            extra={"batch_id": self.row.id, "timeline": self.meter.timeline},
-        )
+        timer = self.ctx.metrics.publish_seconds.time()
+        return Ran(self.sink, status, timeline=self.meter.timeline, series=self.meter.series(), timer=timer)
 
 
 def _split(numbers: list[int]) -> list[list[int]]:

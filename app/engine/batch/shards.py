@@ -29,7 +29,7 @@ from app.domain.models import BatchRow
 from app.domain.results import index_name, input_name
 from app.domain.schemas import BatchError, BatchErrors
 from app.engine.batch.context import Context
-from app.engine.batch.ending import end_with_results, shards_ending
+from app.engine.batch.ending import Ran, shards_ending
 from app.engine.batch.ordering import Group, plan
 from app.engine.batch.run import Run
 
@@ -119,12 +119,13 @@ def _shard_row(parent: BatchRow, number: int, *, total: int, model: str | None) 
     )
 
 
-async def run_parent(ctx: Context, run: Run) -> None:
-    """Wait for the shards, keeping the parent's counts and passing a cancel on; then join and end."""
+async def run_parent(ctx: Context, run: Run) -> Ran:
+    """Wait for the shards, keeping the parent's counts and passing a cancel on; then their results joined, to end
+    the parent with (its shards go after that commit)."""
     while (ended := await asyncio.to_thread(_look_at_shards, ctx, run)) is None:
         await asyncio.sleep(ctx.settings.checkpoint_seconds)
     run.row, shards, progress = ended
-    await _join(ctx, run, shards, progress)
+    return await _join(ctx, run, shards, progress)
 
 
 def _look_at_shards(ctx: Context, run: Run) -> tuple[BatchRow, list[BatchRow], Progress] | None:
@@ -157,7 +158,7 @@ def _sum(shards: list[BatchRow]) -> Progress:
     return total
 
 
-async def _join(ctx: Context, run: Run, shards: list[BatchRow], progress: Progress) -> None:
+async def _join(ctx: Context, run: Run, shards: list[BatchRow], progress: Progress) -> Ran:
     sink = run.new_sink()
     await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
     for shard in shards:
@@ -167,8 +168,7 @@ async def _join(ctx: Context, run: Run, shards: list[BatchRow], progress: Progre
                     appender.add_lines(chunk)
                 await appender.flush()
     sink.progress = replace(progress)
-    await end_with_results(run, sink, shards_ending(shards), timeline={}, errors=_errors(shards))
-    await batches.forget_shards(db=ctx.db, storage=ctx.storage, shards=shards)
+    return Ran(sink, shards_ending(shards), errors=_errors(shards), shards=shards)
 
 
 def _errors(shards: list[BatchRow]) -> list[BatchError]:
