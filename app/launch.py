@@ -56,7 +56,7 @@ def service_app(argv: list[str], role: str = "serve") -> tuple[FastAPI, Settings
     check_binding(settings, insecure_no_auth=args.insecure_no_auth)
     check_fleet(settings, role)
     prepare_engine_args(argv, args, settings)
-    factory = engine_factory_from(args, lora_dir(settings))
+    factory = engine_factory_from(args, lora_dir(settings), frontend_ready_seconds=settings.frontend_ready_seconds)
     service = EngineService(factory, models=announced_models(args), adapters=announced_adapters(args))
     return create_app(settings, service, Role(role)), settings
 
@@ -218,11 +218,14 @@ def _cpu_defaults(args: argparse.Namespace) -> None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = "2"
 
 
-def engine_factory_from(args: argparse.Namespace, found_adapters: LoraDir | None = None) -> EngineFactory:
-    """`found_adapters`: where the engine finds adapters by name at their first use (`VBATCH_LORA_DIR`)."""
+def engine_factory_from(
+    args: argparse.Namespace, found_adapters: LoraDir | None = None, *, frontend_ready_seconds: float | None = None
+) -> EngineFactory:
+    """`found_adapters`: where the engine finds adapters by name at their first use (`VBATCH_LORA_DIR`);
+    `frontend_ready_seconds`: `Settings.frontend_ready_seconds` (None: the default)."""
     from app.engine.inference.vllm_adapter import engine_factory
 
-    factory = engine_factory(args, found_adapters)
+    factory = engine_factory(args, found_adapters, frontend_ready_seconds=frontend_ready_seconds)
     if failpoints.ARMED.armed(failpoints.POISON):
         factory = poisoned(factory, failpoints.POISON_USER)
     return factory

@@ -504,13 +504,17 @@ def _run_batch_request_type(name: str) -> Any:
     return _Adapter
 
 
-def engine_factory(args: argparse.Namespace, lora_dir: LoraDir | None = None) -> EngineFactory:
+def engine_factory(
+    args: argparse.Namespace, lora_dir: LoraDir | None = None, *, frontend_ready_seconds: float | None = None
+) -> EngineFactory:
     """Starts engines with `vllm serve`'s arguments (`app.engine.inference.serving.EngineFactory`): the serving layer in
     this process, or in `--api-server-count` front-end processes (`app.engine.inference.frontends`). Each serving layer
-    loads the adapters of `lora_dir` (`VBATCH_LORA_DIR`) its requests name."""
+    loads the adapters of `lora_dir` (`VBATCH_LORA_DIR`) its requests name; front ends not ready within
+    `frontend_ready_seconds` (None: `frontends.READY_TIMEOUT_SECONDS`) are launched again."""
     count = frontend_count(args)
     if count > 1:
-        return functools.partial(live_frontends, args, count, lora_dir)
+        ready_seconds = frontends.READY_TIMEOUT_SECONDS if frontend_ready_seconds is None else frontend_ready_seconds
+        return functools.partial(live_frontends, args, count, lora_dir, ready_seconds)
     return functools.partial(live_engine, args, lora_dir)
 
 
@@ -559,7 +563,10 @@ LAUNCH_ATTEMPTS = 3
 
 @asynccontextmanager
 async def live_frontends(
-    args: argparse.Namespace, count: int, lora_dir: LoraDir | None = None
+    args: argparse.Namespace,
+    count: int,
+    lora_dir: LoraDir | None = None,
+    ready_seconds: float = frontends.READY_TIMEOUT_SECONDS,
 ) -> AsyncIterator[frontends.FrontendPool]:
     """The engine cores and `count` front-end processes, launched as `vllm serve --api-server-count` launches them
     (vLLM's own `launch_core_engines` and `APIServerProcessManager`), each front end running `frontends.serve`."""
@@ -583,7 +590,7 @@ async def live_frontends(
             )
             try:
                 try:
-                    await pool.open(timeout=frontends.READY_TIMEOUT_SECONDS)
+                    await pool.open(timeout=ready_seconds)
                 except frontends.NotReady:
                     if attempt == LAUNCH_ATTEMPTS:
                         raise
