@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from sqlalchemy.engine import Engine
 
+from app.core import clock
 from app.core.config import Settings
 from app.core.storage import Storage
 from app.domain import batches
@@ -61,6 +62,10 @@ class Run:
     @property
     def id(self) -> str:
         return self.row.id
+
+    def expired(self) -> bool:
+        """Whether the batch's completion window has ended."""
+        return self.row.expires_at is not None and clock.now() >= self.row.expires_at
 
     async def stored(self) -> BatchRow:
         """The batch as the database has it now: a cancel, the last checkpoint, a lease passed on."""

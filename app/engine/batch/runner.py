@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from types import TracebackType
 
-from app.core import clock, failpoints
+from app.core import failpoints
 from app.core.disk import is_disk_full
-from app.domain import batches, leases
 from app.domain.cost import weighed_tokens
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
 from app.domain.lifecycle import BatchStatus
 from app.domain.online import batch_line_body
-from app.domain.results import Outcome, error_outcome
+from app.domain.results import Outcome
 from app.domain.schemas import RunStats
+from app.engine.batch.checkpoints import Checkpoints
 from app.engine.batch.context import Context
 from app.engine.batch.ending import (
     CancelledFirst,
@@ -44,9 +42,9 @@ from app.engine.batch.ending import (
 from app.engine.batch.intake import load_index, validate
 from app.engine.batch.meter import RunMeter
 from app.engine.batch.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
-from app.engine.batch.parts import Checkpoint
 from app.engine.batch.run import Run
 from app.engine.batch.shards import run_parent
+from app.engine.batch.suspects import Suspects
 from app.engine.inference.serving import EngineDead
 from app.engine.sharing.execution import Executor, FixedSlots, TimedExecutor, run_lines
 from app.engine.sharing.feed import Turn
@@ -54,11 +52,8 @@ from app.engine.telemetry.metrics import BATCH, Payer, key_label
 
 log = logging.getLogger("vbatch.runner")
 
-ENGINE_CRASH_CODE = "engine_crashed"
 # A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
 RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
-# Lines in flight at an engine death are re-run in this many groups, one group at a time.
-SUSPECT_FANOUT = 8
 
 
 async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
@@ -105,6 +100,8 @@ async def _story(ctx: Context, run: Run, held: AsyncExitStack) -> RunOutcome | N
 
 
 class BatchRun:
+    """A batch's own lines, planned and fed to the engine until each has its result or a tick stops them."""
+
     def __init__(self, ctx: Context, run: Run, index: InputIndex) -> None:
         self.ctx = ctx
         self.run = run
@@ -112,16 +109,13 @@ class BatchRun:
         self.index = index
         self.sink = run.new_sink(observe=ctx.metrics.result)
         self.input_path = ctx.storage.path(run.input_name)  # or its local copy, once the run begins
-        self.deaths_alone: dict[int, int] = {}
         self.meter = RunMeter(total=self.row.total, wave=ctx.wave, generated_tokens=ctx.engine.generated_tokens)
-        self.last_log = time.monotonic()
+        self.checkpoints = Checkpoints(ctx, run, self.sink, self.meter, live=self.stats)
+        self.suspects = Suspects(ctx, self.row.id, index, self.sink, run_alone=self._run_alone)
         self._engine_body = batch_line_body(
             tenant=self.row.owner, by_priority=ctx.batch_priority, shared_cache=ctx.settings.shared_prefix_cache
         )
         self.payer = Payer(BATCH, key_label(self.row.owner), self.row.model or "", self.row.id)
-        self._saved_status: BatchStatus | None = None  # as the last checkpoint's write found it
-        self._held_at = -float("inf")  # time.monotonic() when the last checkpoint's write (which renews it) began
-        self._shipped_at = -float("inf")  # time.monotonic() of the last full checkpoint
 
     def stats(self) -> RunStats | None:
         """From any thread: the API reads it while the batch runs (None until the run has begun)."""
@@ -147,77 +141,19 @@ class BatchRun:
             return self._finished(BatchStatus.COMPLETED)
         stop_status = None
         try:
-            if self.row.status == BatchStatus.IN_PROGRESS and not self._expired():
+            if self.row.status == BatchStatus.IN_PROGRESS and not self.run.expired():
                 stop_status = await self._execute()
             else:
                 stop_status = (
                     BatchStatus.CANCELLED if self.row.status == BatchStatus.CANCELLING else BatchStatus.EXPIRED
                 )
         finally:
-            await self._checkpoint()
+            await self.checkpoints.take()
         if stop_status is None:
             return self._finished(BatchStatus.COMPLETED)
-        await self._fill_unfinished(stop_status)
+        record_unfinished(self.sink, self.index, stop_status)
+        await self.checkpoints.take()
         return self._finished(stop_status)
-
-    async def _checkpoint(self) -> BatchStatus | None:
-        """The batch's status as the checkpoint's write found it (None: it wrote nothing)."""
-        # With the disk full, results stop here: the room left is for the database to end the batch.
-        self.ctx.storage.check_room()
-        if self.sink.ship is not None and not self._surely_held():
-            # Segments are written before their commit: not by a run that lost its lease.
-            leases.check(await self.run.stored(), self.run.lease)
-        self._charge()
-        self._saved_status = None
-        self._shipped_at = time.monotonic()
-        with self.ctx.metrics.checkpoint_seconds.time():
-            await self.sink.checkpoint(self._save)
-        return self._saved_status
-
-    async def _tick_save(self) -> BatchStatus | None:
-        """A checkpoint; on an object store, one each `segment_seconds` (each ships a segment), the live numbers
-        between."""
-        lease = self.run.lease
-        apart = time.monotonic() - self._shipped_at
-        if self.sink.ship is None or lease is None or apart >= self.ctx.settings.segment_seconds:
-            return await self._checkpoint()
-        writing = time.monotonic()
-        status = await asyncio.to_thread(
-            batches.save_live,
-            db=self.ctx.db,
-            batch_id=self.row.id,
-            lease=lease,
-            lease_seconds=self.ctx.settings.lease_seconds,
-            live=self.stats(),
-        )
-        self._held_at = writing
-        return status
-
-    def _charge(self) -> None:
-        """The engine time the batch's lines used since the last charge, into its counts."""
-        self.sink.progress.gpu_seconds += self.ctx.engine.engine_time.take(self.row.id)
-
-    def _save(self, checkpoint: Checkpoint) -> None:
-        writing = time.monotonic()
-        self._saved_status = batches.save_checkpoint(
-            db=self.ctx.db,
-            batch_id=self.row.id,
-            progress=checkpoint.progress,
-            output_bytes=checkpoint.output_bytes,
-            error_bytes=checkpoint.error_bytes,
-            lease=self.run.lease,
-            lease_seconds=self.ctx.settings.lease_seconds,
-            live=self.stats(),
-        )
-        self._held_at = writing
-
-    def _surely_held(self) -> bool:
-        """Whether the lease is still this run's for sure, without a read: each checkpoint's write renews it, so
-        within half a lease of the last one (the other half for clocks apart) no other service can have taken it."""
-        return time.monotonic() - self._held_at < self.ctx.settings.lease_seconds / 2
-
-    def _expired(self) -> bool:
-        return self.row.expires_at is not None and clock.now() >= self.row.expires_at
 
     async def _execute(self) -> BatchStatus | None:
         """None when every line finished; else the terminal status that stopped it."""
@@ -227,7 +163,7 @@ class BatchRun:
         # Its numbers count from its turn, not its wait.
         self.meter.begin(done_before=len(self.sink.done), created_ns=self.row.created_ns)
         stop = asyncio.get_running_loop().create_future()
-        ticker = asyncio.create_task(self._tick(stop))
+        ticker = asyncio.create_task(self.checkpoints.tick(stop))
         work = asyncio.create_task(self._work(turn))
         try:
             await asyncio.wait([work, stop], return_when=asyncio.FIRST_COMPLETED)
@@ -259,7 +195,7 @@ class BatchRun:
         )
 
     async def _ended_while_waiting(self) -> BatchStatus | None:
-        if self._expired():
+        if self.run.expired():
             return BatchStatus.EXPIRED
         if (await self.run.stored()).status == BatchStatus.CANCELLING:
             return BatchStatus.CANCELLED
@@ -274,7 +210,7 @@ class BatchRun:
         turn: Turn | None = first_turn
         while True:
             if suspects:
-                await self._rerun_suspects(suspects)
+                await self.suspects.rerun(suspects)
             generation = self.ctx.engine.generation
             in_flight: set[int] = set()
             try:
@@ -322,49 +258,17 @@ class BatchRun:
         finally:
             release()
 
-    async def _rerun_suspects(self, suspects: list[int]) -> None:
-        """Re-run the lines an engine death took, a group at a time with nothing else in flight; a group that kills
-        the engine again is split, down to single lines. A line that kills it alone `engine_deaths_per_line` times
-        goes to the error file."""
-        queue = deque(_split(suspects))
-        while queue:
-            group = [n for n in queue.popleft() if n not in self.sink.done]
-            if not group:
-                continue
-            generation = self.ctx.engine.generation
-            try:
-                async with self.ctx.engine.isolated() as executor:
-                    await run_lines(
-                        self._lines(group),
-                        executor=self._timed(executor),
-                        endpoint=self.row.endpoint,
-                        slots=FixedSlots(len(group)),
-                        workers=len(group),
-                        on_outcome=self._record,
-                        engine_body=self._engine_body,
-                    )
-            except EngineDead:
-                await self.ctx.engine.recover(generation)
-                unfinished = [n for n in group if n not in self.sink.done]
-                if len(unfinished) == 1:
-                    await self._blame(unfinished[0], queue)
-                else:
-                    queue.extendleft(reversed(_split(unfinished)))
-
-    async def _blame(self, position: int, queue: deque[list[int]]) -> None:
-        deaths = self.deaths_alone.get(position, 0) + 1
-        self.deaths_alone[position] = deaths
-        if deaths < self.ctx.settings.engine_deaths_per_line:
-            queue.appendleft([position])
-            return
-        log.error(
-            "batch %s: line %d killed the engine %d times on its own; it goes to the error file",
-            self.row.id,
-            self.index.numbers[position],
-            deaths,
+    async def _run_alone(self, positions: list[int], executor: Executor) -> None:
+        """These lines through `executor`, the engine's alone (`Suspects`)."""
+        await run_lines(
+            self._lines(positions),
+            executor=self._timed(executor),
+            endpoint=self.row.endpoint,
+            slots=FixedSlots(len(positions)),
+            workers=len(positions),
+            on_outcome=self._record,
+            engine_body=self._engine_body,
         )
-        message = f"The engine died {deaths} times while running this request alone; it was not retried."
-        self.sink.record(position, error_outcome(self.index.custom_ids[position], ENGINE_CRASH_CODE, message))
 
     async def _lines(self, positions: list[int]) -> AsyncIterator[tuple[int, dict, int | None]]:
         for position, request in self.index.requests(self.input_path, positions):
@@ -383,57 +287,9 @@ class BatchRun:
         self.ctx.engine.engine_time.used(self.payer, weighed_tokens(outcome.usage))
         self.meter.result()
 
-    async def _tick(self, stop: asyncio.Future) -> None:
-        """Resolves `stop` with the status that stops the run, or with the error a tick raised (a full disk, a lost
-        lease, a database that takes no write): a run without ticks would go on with no checkpoint, deaf to a cancel."""
-        try:
-            status = await self._ticks()
-        except Exception as exc:
-            stop.set_exception(exc)
-        else:
-            stop.set_result(status)
-
-    async def _ticks(self) -> BatchStatus:
-        while True:
-            await asyncio.sleep(self.ctx.settings.checkpoint_seconds)
-            if await self._tick_save() == BatchStatus.CANCELLING:
-                return BatchStatus.CANCELLED
-            if self._expired():
-                return BatchStatus.EXPIRED
-            self.meter.sample(self.sink.progress)
-            self._log_progress()
-
-    def _log_progress(self) -> None:
-        now = time.monotonic()
-        if now - self.last_log < self.ctx.settings.progress_log_seconds:
-            return
-        self.last_log = now
-        stats = self.stats()
-        if stats is None:
-            return
-        progress = self.sink.progress
-        log.info(
-            "batch %s: %d/%d done, %.1f req/s, %.0f output tok/s, ETA %s",
-            self.row.id,
-            progress.completed + progress.failed,
-            self.row.total,
-            stats.requests_per_second,
-            stats.output_tokens_per_second,
-            "unknown yet" if stats.eta_seconds is None else f"{stats.eta_seconds:.0f}s",
-        )
-
-    async def _fill_unfinished(self, status: BatchStatus) -> None:
-        record_unfinished(self.sink, self.index, status)
-        await self._checkpoint()
-
     def _finished(self, status: BatchStatus) -> Ran:
         self.meter.mark("published")
         self.meter.sample(self.sink.progress, last=True)
-        self._charge()
+        self.checkpoints.charge()
         timer = self.ctx.metrics.publish_seconds.time()
         return Ran(self.sink, status, timeline=self.meter.timeline, series=self.meter.series(), timer=timer)
-
-
-def _split(numbers: list[int]) -> list[list[int]]:
-    size = -(-len(numbers) // SUSPECT_FANOUT)
-    return [numbers[i : i + size] for i in range(0, len(numbers), size)]
