@@ -157,7 +157,7 @@ async def _write_end(
 
 
 # Makes the ending `cancel_wins` chose (a database move, on a thread); returns the batch as it left it, if it moved it.
-End = Callable[[BatchStatus], Awaitable[BatchRow | None]]
+Move = Callable[[BatchStatus], Awaitable[BatchRow | None]]
 
 
 def cancel_wins(stored: BatchStatus, wanted: BatchStatus) -> BatchStatus:
@@ -171,18 +171,18 @@ def cancel_wins(stored: BatchStatus, wanted: BatchStatus) -> BatchStatus:
     return wanted
 
 
-async def _settle(run: Run, wanted: BatchStatus, end: End) -> BatchStatus:
-    """The ending `cancel_wins` gives for the batch as the run last saw it, made by `end`; when `end` is refused
+async def _settle(run: Run, wanted: BatchStatus, move: Move) -> BatchStatus:
+    """The ending `cancel_wins` gives for the batch as the run last saw it, made by `move`; when `move` is refused
     (`InvalidTransition`: a cancel came in between), the one it gives for the batch as it is now."""
     status = cancel_wins(run.row.status, wanted)
     try:
-        moved = await end(status)
+        moved = await move(status)
     except InvalidTransition:
         run.row = await run.stored()
         again = cancel_wins(run.row.status, wanted)
         if again == status or run.row.status in TERMINAL:
             raise
-        status, moved = again, await end(again)
+        status, moved = again, await move(again)
     if moved is not None:
         run.row = moved
     return status
@@ -213,12 +213,12 @@ async def _end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchS
     with `errors` or, being cancelled, cancelled, its run files gone first (nothing of its own is needed any
     more)."""
 
-    async def end(status: BatchStatus) -> BatchRow:
+    async def move(status: BatchStatus) -> BatchRow:
         if status == BatchStatus.CANCELLED:
             await _delete_all(run.storage, run.run_files)
         return await _write_end(run, status, errors=errors)
 
-    status = await _settle(run, wanted, end)
+    status = await _settle(run, wanted, move)
     log.info("batch %s: %s before it ran", run.id, status, extra={"batch_id": run.id, "event": f"batch.{status}"})
 
 
@@ -262,18 +262,11 @@ async def _end_with_results(
     failpoints.ARMED.crash_here(failpoints.RESULTS_LINKED)
 
     results = {"output": output, "error": error, "progress": sink.progress, "timeline": timeline, "series": series}
-    commit = _ending_commit(run, errors, results)
+    commit = partial(_write_end, run, errors=errors, results=results)
     status = await _unstoppable(_commit_then_delete(run, wanted, commit))
     done = {"completed": sink.progress.completed, "failed": sink.progress.failed}
     fields = {"batch_id": run.id, "event": f"batch.{status}", **done}
     log.info("batch %s: %s, %d completed, %d failed", run.id, status, done["completed"], done["failed"], extra=fields)
-
-
-def _ending_commit(
-    run: Run, errors: Sequence[BatchError], results: dict[str, Any]
-) -> Callable[[BatchStatus], Awaitable[BatchRow]]:
-    """The transaction that ends `run`'s batch, as whichever status `_settle` decides, with these files and counts."""
-    return partial(_write_end, run, errors=errors, results=results)
 
 
 async def _finalizing(run: Run, status: BatchStatus) -> BatchRow | None:
@@ -284,7 +277,7 @@ async def _finalizing(run: Run, status: BatchStatus) -> BatchRow | None:
     )
 
 
-async def _commit_then_delete(run: Run, wanted: BatchStatus, commit: End) -> BatchStatus:
+async def _commit_then_delete(run: Run, wanted: BatchStatus, commit: Move) -> BatchStatus:
     """A stop that comes while the batch ends waits for the commit, and for the deletes after it."""
     status = await _settle(run, wanted, commit)
     await _delete_all(run.storage, run.run_files)
@@ -404,7 +397,7 @@ async def _end_without_results(run: Run) -> None:
     run.row = stored
 
     results: dict[str, Any] = {"output": None, "error": None, "progress": Progress(), "timeline": {}}
-    commit = _ending_commit(run, [NO_RESULTS_WRITTEN], results)
+    commit = partial(_write_end, run, errors=[NO_RESULTS_WRITTEN], results=results)
     status = await _settle(run, BatchStatus.FAILED, commit)
     log.error("batch %s: ended %s without result files", run.id, status)
     try:
