@@ -499,8 +499,9 @@ class VbatchServer:
             env={**os.environ, **(env or {})},
         )
 
-    def wait_ready(self, timeout: float) -> float:
-        """Seconds until /health says ok; every status it answered on the way is kept in `health_seen`."""
+    def wait_ready(self, timeout: float, *, engine: bool = True) -> float:
+        """Seconds until /health says ok (`engine=False`: until it answers at all, the API up while the engine
+        starts); every status it answered on the way is kept in `health_seen`."""
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -508,7 +509,7 @@ class VbatchServer:
             try:
                 response = httpx.get(f"{self.base_url}/health", timeout=2)
                 self.health_seen.add(response.json()["status"])
-                if response.status_code == 200:
+                if response.status_code == 200 or not engine:
                     return time.monotonic() - self.started
             except (httpx.HTTPError, ValueError, KeyError):
                 pass

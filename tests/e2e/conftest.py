@@ -8,6 +8,7 @@ import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from openai import OpenAI
@@ -16,6 +17,9 @@ from app.engine.inference import default_model
 from app.testing import VbatchServer, free_port
 from tests.fixtures import postgres, s3  # noqa: F401 - fixtures (tests/e2e/test_cluster_e2e.py)
 from tests.helpers import wait_for
+
+if TYPE_CHECKING:
+    from tests.e2e.test_crash_recovery import Lineage
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = default_model.NAME
@@ -91,3 +95,14 @@ def openai_client(server) -> OpenAI:
 @pytest.fixture(scope="session")
 def other_tenant(server) -> OpenAI:
     return OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS[1], max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def lineage(tmp_path, model_path) -> Iterator[Lineage]:
+    """Servers started one after another on one data directory (tests/e2e/test_crash_recovery.py and the modules of
+    engine deaths), stopped at the end."""
+    from tests.e2e.test_crash_recovery import Lineage  # that module imports this one
+
+    running = Lineage(tmp_path, model_path)
+    yield running
+    running.stop()

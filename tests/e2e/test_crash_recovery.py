@@ -15,6 +15,7 @@ import signal
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
@@ -39,13 +40,15 @@ class Lineage:
         self.server: VbatchServer | None = None
         self.data_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, failpoint: str | None = None, *, wait_ready: bool = True) -> VbatchServer:
+    def start(self, failpoint: str | None = None, *, wait: Literal["engine", "api", "none"] = "engine") -> VbatchServer:
+        """`wait`: until the engine is ready, until the API answers (what needs no engine goes on while it starts),
+        or not at all."""
         self.starts += 1
         env = {**ENV, **({"VBATCH_FAILPOINT": failpoint} if failpoint else {})}
         log = self.base / f"serve-{self.starts}.log"
         self.server = VbatchServer(self.data_dir, free_port(), self.flags, log, env=env)
-        if wait_ready:
-            self.server.wait_ready(timeout=STARTUP_SECONDS)
+        if wait != "none":
+            self.server.wait_ready(timeout=STARTUP_SECONDS, engine=wait == "engine")
         return self.server
 
     def client(self) -> OpenAI:
@@ -71,13 +74,6 @@ class Lineage:
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
-
-
-@pytest.fixture
-def lineage(tmp_path, model_path):
-    running = Lineage(tmp_path, model_path)
-    yield running
-    running.stop()
 
 
 def request_lines(count: int, *, poison: int | None = None) -> bytes:
@@ -137,8 +133,9 @@ def owned_files(client: OpenAI) -> set[str]:
 
 def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     count = 24
+    # Stages 1 and 2 need the API alone: each server is killed while its engine still starts.
     # 1. Killed while an upload's bytes are on disk but its row is not: no file object, no debris after restart.
-    server = lineage.start(failpoint="upload_saved")
+    server = lineage.start(failpoint="upload_saved", wait="api")
     with pytest.raises(httpx.HTTPError):
         httpx.post(
             f"{server.base_url}/v1/files",
@@ -150,7 +147,7 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     assert len(list((lineage.data_dir / "files").iterdir())) == 1  # the torn upload's bytes
 
     # 2. Killed right after the batch is created, while it is validating.
-    lineage.start()
+    lineage.start(wait="api")
     client = lineage.client()
     assert owned_files(client) == set()
     assert list((lineage.data_dir / "files").iterdir()) == []
@@ -170,7 +167,7 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
 
     # 5. Killed while finalizing: result files linked, the batch row not yet final.
     # The resumed batch can finish and reach the failpoint before /health is first polled: no wait for ready.
-    server = lineage.start(failpoint="results_linked", wait_ready=False)
+    server = lineage.start(failpoint="results_linked", wait="none")
     assert server.wait_exit(timeout=STARTUP_SECONDS) == -signal.SIGKILL
     assert "failpoint results_linked" in server.log_path.read_text()
 

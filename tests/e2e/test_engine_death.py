@@ -1,6 +1,7 @@
 """Fault injection against the real service (CPU vLLM), on the machinery of tests/e2e/test_crash_recovery.py: a killed
-engine core (mid-run and idle), a poison line, SIGTERM, and an engine death behind two front-end processes. What
-must hold is what test_crash_recovery.py's docstring says."""
+engine core (mid-run and idle), a poison line and SIGTERM; an engine death behind two front-end processes is in
+tests/e2e/test_engine_death_frontends.py, a module of its own so that the two long tests can run on two workers.
+What must hold is what test_crash_recovery.py's docstring says."""
 
 from __future__ import annotations
 
@@ -8,11 +9,8 @@ import json
 import os
 import signal
 import time
-from collections import Counter
-from collections.abc import Iterator
 
 import httpx
-import pytest
 from openai import OpenAI
 
 from tests.e2e.test_crash_recovery import (
@@ -24,13 +22,6 @@ from tests.e2e.test_crash_recovery import (
     wait_done,
 )
 from tests.helpers import holding, wait_for
-
-
-@pytest.fixture
-def lineage(tmp_path, model_path) -> Iterator[Lineage]:
-    running = Lineage(tmp_path, model_path)
-    yield running
-    running.stop()
 
 
 def kill_the_engine_core_mid_run(lineage: Lineage, client: OpenAI) -> None:
@@ -103,25 +94,3 @@ def test_engine_death_poison_line_and_sigterm(lineage):
     assert batch.status == "completed"
     check_exactly_once(client, batch, 16, finished_at_stop)
     print(f"SIGTERM to exit: {exit_seconds:.1f} s")
-
-
-def test_behind_two_front_end_processes_an_engine_death_and_a_cancel(lineage):
-    """The same engine behind two front-end processes (`--api-server-count 2`): an engine core killed mid-run is
-    restarted with its front ends and the batch completes, each line once; a cancel ends the next batch."""
-    lineage.flags += ["--api-server-count", "2"]
-    server = lineage.start(failpoint="hold_after:4")
-    client = lineage.client()
-    assert len(server.frontend_pids()) == 2
-    kill_the_engine_core_mid_run(lineage, client)
-    assert len(server.frontend_pids()) == 2
-
-    with holding(lineage.data_dir):
-        cancelled = create(client, request_lines(16))
-        lineage.wait_partial(cancelled, at_least=2)
-        client.batches.cancel(cancelled)
-        batch = wait_done(client, cancelled)
-    assert batch.status == "cancelled"
-    finished = results(client, batch.output_file_id)
-    unfinished = results(client, batch.error_file_id)
-    assert Counter(r["custom_id"] for r in finished + unfinished) == Counter(f"req-{i}" for i in range(16))
-    assert 2 <= len(finished) < 16
