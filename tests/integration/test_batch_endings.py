@@ -89,6 +89,18 @@ def test_a_batch_from_before_the_index_is_indexed_again_and_finishes(settings):
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(6))
 
 
+def test_a_batch_begun_before_vbatch_kept_its_input_ends_failed_when_its_input_is_gone(settings):
+    batch = stopped_mid_batch(settings, lines=6, answered=2).batch
+    # As a vbatch that kept neither an index nor its own name for the input left it, its input deleted since.
+    for name in (f"{batch['id']}.index", f"{batch['id']}.input", batch["input_file_id"]):
+        storage_of(settings).remove_any(name)
+    resumed = FakeEngine()
+    with app_on(settings, resumed) as client:
+        failed = wait_status(client, batch["id"], FINAL)
+    assert failed["status"] == "failed" and resumed.executor.calls == 0
+    assert [error["code"] for error in failed["errors"]["data"]] == ["file_not_found"]
+
+
 def test_a_cancel_during_validation_ends_the_batch_cancelled_whatever_validation_found(
     client, fake_engine, monkeypatch
 ):

@@ -2,7 +2,8 @@
 
 The input's one full read happens here; from then on the batch reads its lines by offset from the index
 (`app.domain.input_index`), and its own hard link to the bytes keeps them whatever happens to the input's file
-object. A cancel may come at any point of it.
+object. A cancel may come at any point of it. What stops a batch here (`Refused`, `InputGone`, `CancelledFirst`) is
+told to the run's one exit, `ending.end`, which ends it.
 """
 
 from __future__ import annotations
@@ -71,16 +72,21 @@ async def validate(ctx: Context, run: Run) -> Refused | InputGone | CancelledFir
     return None
 
 
-async def load_index(ctx: Context, run: Run) -> InputIndex:
+async def load_index(ctx: Context, run: Run) -> InputIndex | InputGone:
     """The index validation kept. A batch that began before vbatch kept one (and its own name for the input) gets
-    both now, once; FileNotFoundError if its input is gone."""
+    both now, once; or, its input gone since, it ends rather than wait."""
     try:
         return await run.stored_index()
     except FileNotFoundError:
+        pass
+    try:
         linked = await asyncio.to_thread(ctx.storage.exists, run.input_name)
         report = await _read_input(ctx, run, source_id=None if linked else run.row.input_file_id)
         await ctx.storage.save_bytes(run.index_name, report.index.to_bytes())
-        return report.index
+    except FileNotFoundError:
+        log.error("batch %s: its input file %s is gone; the batch ends", run.id, run.row.input_file_id)
+        return InputGone()
+    return report.index
 
 
 async def _read_input(ctx: Context, run: Run, source_id: str | None) -> Report:

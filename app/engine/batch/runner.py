@@ -3,10 +3,10 @@ and fed (`BatchRun`) or, cut into shards, waited for and joined (`shards.py`), f
 `ending.end`, which chooses the ending from what the story tells (a `RunOutcome`): completed, cancelled, expired, or
 failed with a full disk.
 
-Results are appended to part files as they complete and checkpointed every `checkpoint_seconds` (`parts.py`);
-when the engine dies the batch waits for a new one and re-runs what was in flight, isolated, until a line that
-kills the engine on its own is found and written to the error file; at the end the part files become File
-objects in the same transaction that ends the batch.
+Results are appended to part files as they complete (`parts.py`) and checkpointed on each tick, every
+`checkpoint_seconds` (`checkpoints.py`); when the engine dies the batch waits for a new one and re-runs what was in
+flight, isolated, until a line that kills the engine on its own is found and written to the error file
+(`suspects.py`); at the end the part files become File objects in the same transaction that ends the batch.
 """
 
 from __future__ import annotations
@@ -85,14 +85,11 @@ async def _story(ctx: Context, run: Run, held: AsyncExitStack) -> RunOutcome | N
     if row.status in RUNNING and row.shards:
         return await run_parent(ctx, run)
     if row.status in RUNNING and row.in_progress_at is not None:
-        if run.index is None:
-            try:
-                run.index = await load_index(ctx, run)
-            except FileNotFoundError:
-                # Began before vbatch kept its own input, which has since gone: it ends rather than wait.
-                log.error("batch %s: its input file %s is gone; the batch ends", row.id, row.input_file_id)
-                return InputGone()
-        batch = await held.enter_async_context(BatchRun(ctx, run, run.index))
+        index = run.index if run.index is not None else await load_index(ctx, run)
+        if isinstance(index, InputGone):
+            return index
+        run.index = index
+        batch = await held.enter_async_context(BatchRun(ctx, run, index))
         return await batch.run_to_finish()
     if row.status == BatchStatus.CANCELLING:
         return CancelledFirst()
