@@ -40,13 +40,22 @@ class Lineage:
         self.server: VbatchServer | None = None
         self.data_dir.mkdir(parents=True, exist_ok=True)
 
-    def start(self, failpoint: str | None = None, *, wait: Literal["engine", "api", "none"] = "engine") -> VbatchServer:
+    def start(
+        self,
+        failpoint: str | None = None,
+        *,
+        wait: Literal["engine", "api", "none"] = "engine",
+        role: Literal["serve", "api"] = "serve",
+        env: dict[str, str] | None = None,
+    ) -> VbatchServer:
         """`wait`: until the engine is ready, until the API answers (what needs no engine goes on while it starts),
-        or not at all."""
+        or not at all. `role` "api": `vbatch api` on the same files, the same HTTP code with no engine to start (a
+        stage that needs the API alone spends no engine start)."""
         self.starts += 1
-        env = {**ENV, **({"VBATCH_FAILPOINT": failpoint} if failpoint else {})}
+        env = {**ENV, **(env or {}), **({"VBATCH_FAILPOINT": failpoint} if failpoint else {})}
         log = self.base / f"serve-{self.starts}.log"
-        self.server = VbatchServer(self.data_dir, free_port(), self.flags, log, env=env)
+        flags = self.flags if role == "serve" else []
+        self.server = VbatchServer(self.data_dir, free_port(), flags, log, env=env, role=role)
         if wait != "none":
             self.server.wait_ready(timeout=STARTUP_SECONDS, engine=wait == "engine")
         return self.server
@@ -133,9 +142,10 @@ def owned_files(client: OpenAI) -> set[str]:
 
 def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     count = 24
-    # Stages 1 and 2 need the API alone: each server is killed while its engine still starts.
+    # Stages 1 and 2 need the API alone: the first is `vbatch api` on the same files, with no engine to start; the
+    # second a `vbatch serve` killed while its engine still starts (its start sweeps the first's debris).
     # 1. Killed while an upload's bytes are on disk but its row is not: no file object, no debris after restart.
-    server = lineage.start(failpoint="upload_saved", wait="api")
+    server = lineage.start(failpoint="upload_saved", wait="api", role="api")
     with pytest.raises(httpx.HTTPError):
         httpx.post(
             f"{server.base_url}/v1/files",
