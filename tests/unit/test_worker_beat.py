@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 from types import SimpleNamespace
 
 import pytest
@@ -26,6 +27,16 @@ def beating() -> tuple[Scheduler, SimpleNamespace]:
     ), state
 
 
+async def beats_while(scheduler: Scheduler, scenario: Callable[[], Awaitable[None]]) -> None:
+    """`scheduler`'s beats run (as a task, as the service runs them) while `scenario` does."""
+    task = asyncio.create_task(scheduler.beat(db=None))  # type: ignore[arg-type]
+    try:
+        await asyncio.wait_for(scenario(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def test_a_beat_goes_at_once_when_told_the_state_changed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(scheduling, "POLL_SECONDS", 3600.0)  # without say_now, no second beat in this test
     said: list[str] = []
@@ -37,18 +48,16 @@ def test_a_beat_goes_at_once_when_told_the_state_changed(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(scheduling.workers, "beat", beat)
 
-    async def scenario() -> None:
-        scheduler, state = beating()
-        task = asyncio.create_task(scheduler.beat(db=None))  # type: ignore[arg-type]
-        await asyncio.wait_for(heard.wait(), 10)
+    scheduler, state = beating()
+
+    async def first_then_told() -> None:
+        await heard.wait()
         heard.clear()
         state.value = "ok"
         scheduler.say_now()
-        await asyncio.wait_for(heard.wait(), 10)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        await heard.wait()
 
-    asyncio.run(scenario())
+    asyncio.run(beats_while(scheduler, first_then_told))
     assert said == ["starting", "ok"]
 
 
@@ -67,15 +76,9 @@ def test_failed_beats_are_logged_once_and_the_beats_go_on(
 
     monkeypatch.setattr(scheduling.workers, "beat", beat)
 
-    async def scenario() -> None:
-        scheduler, _ = beating()
-        task = asyncio.create_task(scheduler.beat(db=None))  # type: ignore[arg-type]
-        await asyncio.wait_for(landed.wait(), 10)
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
+    scheduler, _ = beating()
     with caplog.at_level(logging.WARNING, logger=scheduling.log.name):
-        asyncio.run(scenario())
+        asyncio.run(beats_while(scheduler, landed.wait))
     assert outcomes == []
     warnings = [record.getMessage() for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "database is locked" in warnings[0]
