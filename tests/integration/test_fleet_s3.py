@@ -113,7 +113,7 @@ def test_a_batch_ships_a_segment_each_segment_seconds_not_at_each_checkpoint(s3,
 
 
 @pytest.mark.parametrize("backend", ["postgres_s3"], indirect=True)
-def test_a_100_line_batch_costs_its_worker_eight_requests(s3, client, backend):
+def test_a_100_line_batch_costs_its_worker_seven_requests(s3, client, backend):
     """What `docs/explanation/fleet-limits.md` counts a batch at (the upload's PUT aside): the input's copy to the
     batch's own name (a PUT) and its one GET, the index's PUT, one segment, the output file, one listing of the parts
     an earlier lease might have left, and one bulk delete of its run files, which comes just after the batch ends."""
