@@ -8,7 +8,6 @@ Through the app, a socket or a process here; the logic alone is in tests/unit/te
 
 from __future__ import annotations
 
-import asyncio
 from collections import Counter
 from itertools import groupby
 
@@ -36,34 +35,6 @@ def test_the_service_feeds_forty_adapters_at_most_max_loras_at_once_and_complete
     assert Counter(o["custom_id"] for o in outputs) == Counter(x["custom_id"] for x in lines)
     assert all(o["response"]["body"]["model"] == o["custom_id"].split("-")[0] for o in outputs)
     assert len([model for model, _ in groupby(watching.entered)]) == 40
-
-
-class Held:
-    """An engine whose requests wait until the test answers them, or until every one is answered at once."""
-
-    def __init__(self) -> None:
-        self.requests: list[tuple[str, asyncio.Future]] = []
-        self.answer_all = False
-        self.entered = asyncio.Event()
-
-    async def execute(self, endpoint: str, body: dict, rank: int | None = None) -> tuple[int, dict]:
-        request = asyncio.get_running_loop().create_future()
-        self.requests.append((body["model"], request))
-        self.entered.set()
-        if self.answer_all:
-            request.set_result(None)
-        await request
-        return 200, {"model": body["model"], "choices": []}
-
-    def waiting(self) -> list[asyncio.Future]:
-        return [request for _, request in self.requests if not request.done()]
-
-
-async def until(condition, engine: Held) -> None:
-    """Each time a request enters the engine, look again (a line takes its place and enters in one turn)."""
-    while not condition():
-        engine.entered.clear()
-        await asyncio.wait_for(engine.entered.wait(), timeout=10)
 
 
 # Shards.
