@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ast
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,26 +139,22 @@ def room_of(module: str) -> int | None:
 
 
 def upward_imports(found: list[Import]) -> list[str]:
-    problems = []
-    for edge in found:
-        source, target = layer_of(edge.source), layer_of(edge.target)
-        if source is not None and target is not None and target > source:
-            problems.append(
-                f"{edge.where} {edge.source} imports {edge.target}: "
-                f"layer {LAYERS[source][0]} may not import from layer {LAYERS[target][0]}"
-            )
-    return problems
+    return _upward(found, layer_of, [name for name, _ in LAYERS], "layer")
 
 
 def upward_room_imports(found: list[Import]) -> list[str]:
-    names = [*ENGINE_ROOMS, "entry"]
+    return _upward(found, room_of, [*ENGINE_ROOMS, "entry"], "room")
+
+
+def _upward(found: list[Import], rank_of: Callable[[str], int | None], names: list[str], kind: str) -> list[str]:
+    """The imports from a lower `kind` to a higher one, as `rank_of` ranks modules."""
     problems = []
     for edge in found:
-        source, target = room_of(edge.source), room_of(edge.target)
+        source, target = rank_of(edge.source), rank_of(edge.target)
         if source is not None and target is not None and target > source:
             problems.append(
                 f"{edge.where} {edge.source} imports {edge.target}: "
-                f"room {names[source]} may not import from room {names[target]}"
+                f"{kind} {names[source]} may not import from {kind} {names[target]}"
             )
     return problems
 

@@ -127,6 +127,14 @@ def _request_type(method: Callable[..., Any]) -> type:
         return annotation
 
 
+# The generating endpoints: the route, the serving object vLLM keeps on its app state, and the method that answers.
+GENERATING_ROUTES = (
+    ("/v1/chat/completions", "openai_serving_chat", "create_chat_completion"),
+    ("/v1/completions", "openai_serving_completion", "create_completion"),
+    ("/v1/responses", "openai_serving_responses", "create_responses"),
+)
+
+
 class ServingLayer:
     """The OpenAI serving objects of one live engine, called per batch line."""
 
@@ -156,18 +164,11 @@ class ServingLayer:
     @staticmethod
     def _collect(state: State) -> dict[str, Handler]:
         handlers: dict[str, Handler] = {}
-        chat = getattr(state, "openai_serving_chat", None)
-        if chat is not None:
-            method = chat.create_chat_completion
-            handlers["/v1/chat/completions"] = Handler(_request_type(method), method)
-        completion = getattr(state, "openai_serving_completion", None)
-        if completion is not None:
-            method = completion.create_completion
-            handlers["/v1/completions"] = Handler(_request_type(method), method)
-        responses = getattr(state, "openai_serving_responses", None)
-        if responses is not None:
-            method = responses.create_responses
-            handlers["/v1/responses"] = Handler(_request_type(method), method)
+        for route, serving, create in GENERATING_ROUTES:
+            found = getattr(state, serving, None)
+            if found is not None:
+                method = getattr(found, create)
+                handlers[route] = Handler(_request_type(method), method)
         embedding = getattr(state, "serving_embedding", None)
         if embedding is not None:
             handlers["/v1/embeddings"] = Handler(_run_batch_request_type("EmbeddingRequest"), embedding)
