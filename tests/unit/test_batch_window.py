@@ -144,23 +144,26 @@ def test_arrivals_withdraw_the_youngest_lines_over_a_wave_once_each_down_to_the_
     asyncio.run(_arrivals_withdraw_the_youngest())
 
 
+async def hold_lines(window: InFlightWindow, count: int) -> tuple[list[asyncio.Future], list[asyncio.Task]]:
+    """`count` batch lines, each in its place in `window` until the test answers (or withdraws) its request: their
+    requests in the order they took places, and their tasks."""
+    requests: list[asyncio.Future] = []
+    entered = asyncio.Event()
+
+    async def line() -> None:
+        async with window.place() as place:
+            place.request = asyncio.get_running_loop().create_future()
+            requests.append(place.request)
+            if len(requests) == count:
+                entered.set()
+            await asyncio.gather(place.request, return_exceptions=True)
+
+    lines = [asyncio.create_task(line()) for _ in range(count)]
+    await entered.wait()
+    return requests, lines
+
+
 async def _arrivals_withdraw_the_youngest() -> None:
-    async def hold_lines(window: InFlightWindow, count: int) -> tuple[list[asyncio.Future], list[asyncio.Task]]:
-        requests: list[asyncio.Future] = []
-        entered = asyncio.Event()
-
-        async def line() -> None:
-            async with window.place() as place:
-                place.request = asyncio.get_running_loop().create_future()
-                requests.append(place.request)
-                if len(requests) == count:
-                    entered.set()
-                await asyncio.gather(place.request, return_exceptions=True)
-
-        lines = [asyncio.create_task(line()) for _ in range(count)]
-        await entered.wait()
-        return requests, lines
-
     window, _ = window_of(wave=4, max_size=8)
     requests, lines = await hold_lines(window, 6)
     requests[5].set_result("answered")  # the youngest has its answer, not yet handed on: nothing to withdraw there

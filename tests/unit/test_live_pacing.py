@@ -25,6 +25,7 @@ from app.engine.sharing.execution import FixedSlots, run_lines
 from app.engine.sharing.pacing import PrefillPacer
 from app.engine.sharing.window import InFlightWindow
 from app.engine.telemetry.steps import LIVE_OWED_SECONDS, EngineSteps, fitted
+from tests.unit.test_batch_window import hold_lines
 
 BUDGET = 40  # batch prompt tokens a step: two of the lines below (18 tokens each by the estimate), not three
 
@@ -247,19 +248,7 @@ async def _arrival_withdraws_beyond_the_decode_bound() -> None:
     pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=4096)
     window = InFlightWindow(max_size=32, wave=64, ttft_target_seconds=0.5, pacer=pacer, now=Clock())
     assert window.decode_bound == 5 and window.least == 8
-    requests: list[asyncio.Future] = []
-    entered = asyncio.Event()
-
-    async def line() -> None:
-        async with window.place() as place:
-            place.request = asyncio.get_running_loop().create_future()
-            requests.append(place.request)
-            if len(requests) == 20:
-                entered.set()
-            await asyncio.gather(place.request, return_exceptions=True)
-
-    lines = [asyncio.create_task(line()) for _ in range(20)]
-    await entered.wait()
+    requests, lines = await hold_lines(window, 20)
     window.online_arrived({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 16})
     # 20 lines, a wave of 64: room enough, but the decode of more than the least (8) is over the batch's part.
     assert [r.cancelled() for r in requests] == [False] * 8 + [True] * 12
