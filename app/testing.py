@@ -480,9 +480,11 @@ class VbatchServer:
         *,
         fake_engine: bool = False,
         role: str = "serve",
+        cwd: Path | None = None,
     ):
         """`fake_engine`: the same app and server options over `FakeEngine` (`python -m app.testing`); `role`:
-        `serve`, `api` or `worker` (`app.main.Role`)."""
+        `serve`, `api` or `worker` (`app.main.Role`); `cwd`: the source tree whose `app` runs (`python -m` looks there
+        first), for a bench that sets an earlier commit against this one."""
         self.base_url = f"http://127.0.0.1:{port}"
         self.data_dir = data_dir
         self.log_path = log_path
@@ -497,6 +499,7 @@ class VbatchServer:
             stderr=subprocess.STDOUT,
             start_new_session=True,
             env={**os.environ, **(env or {})},
+            cwd=cwd,
         )
 
     def wait_ready(self, timeout: float, *, engine: bool = True) -> float:

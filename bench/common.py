@@ -155,13 +155,15 @@ class SideResults:
         self.path = path
         self.data: dict = {"meta": meta, "sides": {}}
 
-    def side(self, name: str, measure: Callable[[], dict]) -> None:
+    def side(self, name: str, measure: Callable[[], dict]) -> bool:
+        """Whether `measure` finished (a failed side's error is kept in its place)."""
         try:
             self.data["sides"][name] = measure()
         except Exception as exc:
             self.data["sides"][name] = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps({name: self.data["sides"][name]}), flush=True)
         self.path.write_text(json.dumps(self.data, indent=2))
+        return "error" not in self.data["sides"][name]
 
 
 def warm_up(base_url: str, out: Path, model: str, sampling: dict) -> None:

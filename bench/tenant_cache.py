@@ -45,13 +45,19 @@ def write_labels(path: Path, count: int) -> Path:
 
 
 def sides(args: argparse.Namespace, files: dict[str, Path], side, shared: bool) -> None:
-    name = "shared" if shared else "apart"
     env = {"VBATCH_API_KEYS": KEY, "VBATCH_SHARED_PREFIX_CACHE": str(shared).lower()}
+    serve_side(args, files, side, "shared" if shared else "apart", env)
+
+
+def serve_side(args: argparse.Namespace, files: dict[str, Path], side, name: str, env: dict,
+               cwd: Path | None = None) -> None:  # fmt: skip
+    """A fresh `vbatch serve` (from `cwd`'s source tree if given), warmed, then each file as a batch."""
     count = ["--api-server-count", str(args.api_server_count)] if args.api_server_count else []
     flags = compare.engine_flags(args) + count
-    server = VbatchServer(args.out / f"data-{name}", 8129, flags, args.out / f"serve-{name}.log", env=env)
+    server = VbatchServer(args.out / f"data-{name}", 8129, flags, args.out / f"serve-{name}.log", env=env, cwd=cwd)
     try:
-        side(f"{name}_engine_start", lambda: {"s": round(server.wait_ready(timeout=600), 2)})
+        if not side(f"{name}_engine_start", lambda: {"s": round(server.wait_ready(timeout=600), 2)}):
+            return
         warm_up(server.base_url, args.out, SERVED, compare.SAMPLING)
         for batch, path in files.items():
             side(f"{name}_{batch}", lambda path=path: rates(server, path))
@@ -60,26 +66,35 @@ def sides(args: argparse.Namespace, files: dict[str, Path], side, shared: bool) 
 
 
 def goals(data: dict) -> list[str]:
+    return ratios(data, "apart", "shared")
+
+
+def ratios(data: dict, new: str, old: str) -> list[str]:
+    """Side `new` over side `old` on each file's rate, against the goal of no loss over 3%."""
     lines = []
     for batch, rate in (("tickets", "output_tokens_per_s_turnaround"), ("labels_shared", "requests_per_s")):
-        shared, apart = data.get(f"shared_{batch}", {}).get(rate), data.get(f"apart_{batch}", {}).get(rate)
-        if shared and apart:
-            ratio = apart / shared
-            lines.append(f"{batch}: {rate} apart {apart} / shared {shared} = {ratio:.3f} (goal >= 0.97): "
+        before, after = data.get(f"{old}_{batch}", {}).get(rate), data.get(f"{new}_{batch}", {}).get(rate)
+        if before and after:
+            ratio = after / before
+            lines.append(f"{batch}: {rate} {new} {after} / {old} {before} = {ratio:.3f} (goal >= 0.97): "
                          f"{'met' if ratio >= 0.97 else 'NOT met'}")  # fmt: skip
         else:
-            lines.append(f"{batch}: not measured")
+            lines.append(f"{batch}: {new} / {old} not measured")
     return lines
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     parser = compare.device_parser()
     parser.add_argument("--labels", type=int, default=20_000)
     parser.add_argument("--tickets", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=compare.SAMPLING["max_tokens"])
     parser.add_argument("--dummy", action=argparse.BooleanOptionalAction, default=True, help="dummy weights")
     parser.add_argument("--eager", action="store_true", help="--enforce-eager (CPU: no compile)")
-    args = parser.parse_args()
+    return parser
+
+
+def workload(args: argparse.Namespace) -> tuple[dict[str, Path], SideResults]:
+    """The two files every side runs, and the results they go to."""
     args.out.mkdir(parents=True, exist_ok=True)
     files = {
         "tickets": args.out / "tickets.jsonl",
@@ -87,12 +102,21 @@ def main() -> None:
     }
     write_ticket_batch(files["tickets"], args.tickets, model=SERVED,
                        sampling={**compare.SAMPLING, "max_tokens": args.max_tokens})  # fmt: skip
-    results = SideResults(args.results, {**json.loads(args.meta), "labels": args.labels, "tickets": args.tickets})
+    return files, SideResults(args.results, {**json.loads(args.meta), "labels": args.labels, "tickets": args.tickets})
+
+
+def report(results: SideResults, lines: list[str]) -> None:
+    results.data["goals"] = lines
+    results.path.write_text(json.dumps(results.data, indent=2))
+    print("\n".join(lines), flush=True)
+
+
+def main() -> None:
+    args = parser().parse_args()
+    files, results = workload(args)
     for shared in (True, False):
         sides(args, files, results.side, shared)
-    results.data["goals"] = goals(results.data["sides"])
-    results.path.write_text(json.dumps(results.data, indent=2))
-    print("\n".join(results.data["goals"]), flush=True)
+    report(results, goals(results.data["sides"]))
 
 
 if __name__ == "__main__":
