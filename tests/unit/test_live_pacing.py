@@ -191,6 +191,35 @@ async def _idle_engine_forgives() -> None:
     assert time.monotonic() - started >= pacing.IDLE_FORGIVE_SECONDS - 0.1
 
 
+def test_live_traffic_gone_quiet_starts_a_first_waves_pace_afresh_and_the_windows_ticks_do_not_starve_it():
+    """Seen in make test: a 1-line batch created just after a live request waited 600 s. Its line (a first wave's)
+    owed what a line before it took under the live budget; once live traffic went quiet, the window's tick told the
+    pace so every quarter second, each time waking the waiting line with no refill, before the refill it waits for
+    on its own (two of the last step's seconds) could come."""
+    asyncio.run(asyncio.wait_for(_quiet_starts_afresh(), timeout=5))
+
+
+async def _quiet_starts_afresh() -> None:
+    steps = EngineSteps()
+    pacer = PrefillPacer(steps=steps, ttft_target_seconds=0.5, max_step_tokens=8192, budget_tokens=1)
+    pacer.activate(True)
+    steps.record(EngineStep(0.5, 0, 0))  # a CPU's step: with no step reported, the pace refills after a second
+    assert admitted(pacer, [5000], ramp=True) == [5000]  # alone, under the live budget of a token: 4,999 owed
+
+    async def window_ticks() -> None:  # the window's ticks once no live request is about (faster here)
+        while True:
+            pacer.activate(False)
+            await asyncio.sleep(0.05)
+
+    ticking = asyncio.create_task(window_ticks())
+    try:
+        while not pacer.fits(400, ramp=True):
+            await pacer.opened()
+    finally:
+        ticking.cancel()
+    assert admitted(pacer, [400, 400, 400], ramp=True) == [400, 400]  # a first wave's pace, whole: 1,024 a step
+
+
 def test_lines_reach_the_engine_in_their_order_when_one_waits_for_the_pace_and_a_smaller_one_would_fit():
     asyncio.run(_lines_in_order())
 

@@ -126,12 +126,17 @@ class PrefillPacer:
     # What the window and the engine say.
 
     def activate(self, active: bool) -> None:
-        """Live traffic about (True) or gone quiet (False); the pace starts afresh when it comes."""
-        if active and not self.active:
-            self._refill(self.budget())
+        """Live traffic about (True) or gone quiet (False): the window says so each tick, and only a change moves the
+        pace. It starts afresh when live traffic comes, and when it goes at a first wave's pace with nothing owed (a
+        debt run up under the live budget is not the first wave's to pay). A waiting line is woken by a refill
+        only: woken each tick without one, it would never reach the refill it waits for on its own."""
+        if active == self.active:
+            return
         self.active = active
-        if not active:
-            self._refilled.set()  # a line waiting for the pace tries again now
+        if active:
+            self._refill(self.budget())
+        else:
+            self._refill(self.ramp_budget(), forgive=True)
 
     def on_step(self, step: EngineStep) -> None:
         self._last_step_seconds = step.seconds
