@@ -52,6 +52,10 @@ demo: setup
 # ones last (tests/conftest.py orders them; xdist's own reorder would put the modules of one or two long tests last),
 # and prints the slowest tests.
 PYTEST := $(BIN)/python -m pytest -q -ra
+# Python's bytecode cache on, where the machine turned it off (PYTHONDONTWRITEBYTECODE, as the image of these
+# machines does): else each of a run's many Python processes (an engine start alone spawns three) compiled
+# vbatch's modules again, and pytest rewrote every test module's asserts again on each worker.
+unexport PYTHONDONTWRITEBYTECODE
 PARALLEL := -n 2 --dist loadfile --no-loadscope-reorder
 
 test: setup

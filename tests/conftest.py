@@ -39,10 +39,34 @@ _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_XDIST_WORKER[2:]) % (os.cpu_count() or 1)))
 
-# `make test` hands whole modules to two workers in this order (`--dist loadfile --no-loadscope-reorder`): the real
-# engine's modules first, minutes each, so that the many short modules of the other tiers fill both workers' ends.
+# `make test` hands whole modules to two workers in this order (`--dist loadfile --no-loadscope-reorder`, through the
+# scheduler below): the real engine's modules first, minutes each, so that the many short modules of the other tiers
+# fill both workers' ends.
 TIER_ORDER = ("e2e", "browser", "integration", "unit")
 TESTS = Path(__file__).resolve().parent
+# The e2e modules on the session's shared `vbatch serve` (tests/e2e/conftest.py's `server`) go to one worker together:
+# handed out module by module, both workers started one, an engine start (half a minute of CPU) spent twice. Named
+# here, as the scheduler sees only test ids (pytest-xdist's `xdist_group`, which renames ids, does nothing on pytest
+# 9); collection fails if a module that reaches `server` is missing (`pytest_collection_modifyitems`).
+SHARED_SERVER_MODULES = frozenset(
+    f"tests/e2e/{name}.py"
+    for name in (
+        "test_answer_wording_e2e",
+        "test_console_e2e",
+        "test_cost",
+        "test_engine_steps_e2e",
+        "test_estimate",
+        "test_monitoring_kit_e2e",
+        "test_online",
+        "test_openai_errors",
+        "test_operations",
+        "test_retry",
+        "test_service",
+        "test_tenants_and_logs",
+        "test_tenants_apart_e2e",
+        "test_tutorial",
+    )
+)
 
 
 BOTH_BACKENDS = ("sqlite", "postgres_s3")
@@ -74,6 +98,22 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return TIER_ORDER.index(folder) if folder in TIER_ORDER else len(TIER_ORDER)
 
     items.sort(key=tier)  # stable: each module's tests stay together and in their order
+    e2e = [(item.nodeid.partition("::")[0], item) for item in items if item.nodeid.startswith("tests/e2e/")]
+    on_shared_server = {module for module, item in e2e if "server" in item.fixturenames}
+    if on_shared_server != SHARED_SERVER_MODULES & {module for module, _ in e2e}:
+        raise pytest.UsageError(f"tests/conftest.py: SHARED_SERVER_MODULES must name {sorted(on_shared_server)}")
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """Whole modules to a worker, as `--dist loadfile` hands them out, the modules on the shared server as one."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndTheSharedServer(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.partition("::")[0]
+            return "the e2e shared server" if module in SHARED_SERVER_MODULES else module
+
+    return ModulesAndTheSharedServer(config, log)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

@@ -85,11 +85,11 @@ class Lineage:
             self.server.stop()
 
 
-def request_lines(count: int, *, poison: int | None = None) -> bytes:
+def request_lines(count: int, *, poison: int | None = None, model: str = MODEL) -> bytes:
     lines = []
     for i in range(count):
         body = {
-            "model": MODEL,
+            "model": model,
             "messages": [{"role": "user", "content": f"Write one sentence about the number {i}."}],
             "max_tokens": 12,
         }
@@ -164,20 +164,18 @@ def test_kill_9_at_every_stage_loses_and_repeats_nothing(lineage):
     batch_id = create(client, request_lines(count))
     lineage.server.kill()
 
-    # 3. Killed early in the run, then 4. in the middle; lines seen in partial_output must survive as they are.
-    # Held, each start sends at most 8 new lines, so neither can reach the end of the 24 however fast it runs.
+    # 3. Killed in the middle of the run; lines seen in partial_output must survive as they are. Held, each start
+    # sends at most 8 new lines, so it cannot reach the end of the 24 however fast it runs.
     with holding(lineage.data_dir):
         lineage.start(failpoint="hold_after:8")
         seen = lineage.wait_partial(batch_id, at_least=2)
         lineage.server.kill()
-        lineage.start(failpoint="hold_after:8")
+        # 4. The restart resumes from the checkpoint, and once let go finishes the run and is killed while
+        # finalizing: result files linked, the batch row not yet final. (A resumed run's own checkpoint resumed
+        # again: tests/integration/test_restart.py, on the fake engine.)
+        server = lineage.start(failpoint="hold_after:8,results_linked")
         seen = lineage.wait_partial(batch_id, at_least=len(seen) + 8)
         assert len(seen) < count
-        lineage.server.kill()
-
-    # 5. Killed while finalizing: result files linked, the batch row not yet final.
-    # The resumed batch can finish and reach the failpoint before /health is first polled: no wait for ready.
-    server = lineage.start(failpoint="results_linked", wait="none")
     assert server.wait_exit(timeout=STARTUP_SECONDS) == -signal.SIGKILL
     assert "failpoint results_linked" in server.log_path.read_text()
 

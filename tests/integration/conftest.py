@@ -7,6 +7,7 @@ from tests.fixtures import (  # noqa: F401 - fixtures
     database_url,
     engine_service,
     fake_engine,
+    migrated_sqlite,
     postgres,
     s3,
     settings,

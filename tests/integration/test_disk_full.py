@@ -66,6 +66,9 @@ def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_d
         queued = create_batch(client, upload(client, jsonl([request_line(f"q{i}") for i in range(5)]))["id"])
         spare = upload(client, jsonl([request_line("spare")]))
         wait_for(lambda: client.get(f"/v1/batches/{running['id']}").json()["request_counts"]["completed"] == 3)
+        # The queued one's validation behind it too, as the running one's is: a fill that came while it was still
+        # writing failed it (as it should), and it was no longer there to cancel.
+        wait_for(lambda: client.get(f"/v1/batches/{queued['id']}").json()["status"] == "in_progress")
 
         filler = fill(small_disk)
         wait_for(lambda: any("reserve" in problem for problem in health_problems(client)))

@@ -51,6 +51,28 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
     assert {json.loads(line)["id"] for line in first_lines} <= {o["id"] for o in outputs}
 
 
+def test_a_resumed_run_stopped_in_its_turn_is_resumed_from_both_runs_checkpoints(settings):
+    """Two stops in one batch's life (tests/e2e/test_crash_recovery.py kills the real service once mid-run): the
+    third run sends only the lines neither run before it finished, and keeps what both wrote as first written."""
+    batch = stopped_mid_batch(settings, lines=20, answered=5).batch
+    second_engine = FakeEngine()
+    second_engine.executor.answer_first = 5
+    with app_on(settings, second_engine) as client:
+        wait_for(lambda: client.get(f"/v1/batches/{batch['id']}").json()["request_counts"]["completed"] == 10)
+    # Each run's part file (named by its lease token) starts with what the run before it had kept.
+    parts = settings.files_dir.glob(f"{batch['id']}.*.output.part")
+    written = {line["id"]: line for part in parts for line in map(json.loads, part.read_bytes().splitlines())}
+    assert len(written) == 10
+
+    third_engine = FakeEngine()
+    with app_on(settings, third_engine) as client:
+        done = wait_status(client, batch["id"], {"completed"})
+        outputs = read_jsonl(client, done["output_file_id"])
+    assert third_engine.executor.calls == 10
+    assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(20))
+    assert [o for o in outputs if o["id"] in written] == list(written.values())
+
+
 def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engine, settings):
     fake_engine.executor.answer_first = 3
     source = upload(client, jsonl([request_line(f"r{i}") for i in range(6)] + [request_line("bad", max_tokens=-1)]))
