@@ -99,6 +99,11 @@ def serving(app, port: int, **options) -> Iterator[int]:
         thread.join(timeout=30)
 
 
+def pid_of(holder: str) -> int:
+    """The process of a lease holder's name (`app.domain.leases.holder_name`: host/pid/start/tag)."""
+    return int(holder.split("/")[1])
+
+
 @contextmanager
 def holding(data_dir: Path) -> Iterator[None]:
     """A server started with `hold_after:N` sends at most N lines of a batch while this lasts."""

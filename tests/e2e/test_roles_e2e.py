@@ -31,7 +31,7 @@ from tests.e2e.test_crash_recovery import (
     results,
     wait_done,
 )
-from tests.helpers import holding, wait_for
+from tests.helpers import holding, pid_of, wait_for
 
 LINES, SHARD_LINES = 18, 6
 OTHER_NAME = "smol-b"  # the other name the same weights are served under
@@ -51,7 +51,7 @@ class Fleet:
     def holder_pid(self, batch_id: str) -> int:
         holder = batches.get(db=self.db, batch_id=batch_id, owner=None).lease_holder
         assert holder is not None
-        return int(holder.split("/")[1])
+        return pid_of(holder)
 
 
 def served_as(flags: list[str], name: str) -> list[str]:
@@ -120,8 +120,8 @@ def test_two_workers_share_a_batch_and_one_killed_mid_shard_is_taken_over_by_the
 
     def partial_once_both_have_run_lines() -> list[dict] | None:
         shards = batches.shards_of(db=fleet.db, batch_id=batch_id)
-        ran_on = {row.lease_holder.split("/")[1] for row in shards if row.completed and row.lease_holder}
-        if ran_on != {str(worker.process.pid) for worker in workers}:
+        ran_on = {pid_of(row.lease_holder) for row in shards if row.completed and row.lease_holder}
+        if ran_on != {worker.process.pid for worker in workers}:
             return None
         response = httpx.get(f"{fleet.api.base_url}/v1/batches/{batch_id}/partial_output", timeout=30)
         return [json.loads(line) for line in response.content.splitlines()]

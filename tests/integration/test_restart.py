@@ -9,6 +9,7 @@ from collections import Counter
 
 import pytest
 
+from app.core.config import Settings
 from app.testing import FakeEngine
 from tests.helpers import (
     app_on,
@@ -39,11 +40,8 @@ def test_restart_resumes_without_rerunning_finished_lines(settings):
         torn.write(b'{"id":"batch_req_late","custom_id":"r19","response":null,"error":null}\n')
         torn.write(b'{"id":"batch_req_torn","custom_id":"r1')
 
-    second_engine = FakeEngine()
-    with app_on(settings, second_engine) as client:
-        done = wait_status(client, batch["id"], {"completed"})
-        outputs = read_jsonl(client, done["output_file_id"])
-    assert second_engine.executor.calls == 15
+    sent, done, outputs = finished_on_a_new_engine(settings, batch["id"])
+    assert sent == 15
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(20))
     assert done["request_counts"] == {"total": 20, "completed": 20, "failed": 0}
     assert done["usage"]["input_tokens"] == 20 * 5
@@ -64,13 +62,20 @@ def test_a_resumed_run_stopped_in_its_turn_is_resumed_from_both_runs_checkpoints
     written = {line["id"]: line for part in parts for line in map(json.loads, part.read_bytes().splitlines())}
     assert len(written) == 10
 
-    third_engine = FakeEngine()
-    with app_on(settings, third_engine) as client:
-        done = wait_status(client, batch["id"], {"completed"})
-        outputs = read_jsonl(client, done["output_file_id"])
-    assert third_engine.executor.calls == 10
+    sent, _, outputs = finished_on_a_new_engine(settings, batch["id"])
+    assert sent == 10
     assert Counter(o["custom_id"] for o in outputs) == Counter(f"r{i}" for i in range(20))
     assert [o for o in outputs if o["id"] in written] == list(written.values())
+
+
+def finished_on_a_new_engine(settings: Settings, batch_id: str) -> tuple[int, dict, list[dict]]:
+    """A restart on `settings` over a fresh fake engine, until the batch completes: the requests it sent the engine,
+    the batch, and its output lines."""
+    engine = FakeEngine()
+    with app_on(settings, engine) as client:
+        done = wait_status(client, batch_id, {"completed"})
+        outputs = read_jsonl(client, done["output_file_id"])
+    return engine.executor.calls, done, outputs
 
 
 def test_partial_output_shows_checkpointed_lines_while_running(client, fake_engine, settings):

@@ -18,7 +18,7 @@ from app.core.config import Settings
 from app.core.db import make_engine
 from app.domain import batches
 from app.testing import VbatchServer, free_port
-from tests.helpers import app_on, create_batch, jsonl, read_jsonl, request_line, upload, wait_for
+from tests.helpers import app_on, create_batch, jsonl, pid_of, read_jsonl, request_line, upload, wait_for
 
 pytestmark = pytest.mark.both_backends
 LEASE_SECONDS = 3
@@ -66,8 +66,7 @@ class Cluster:
         finally:
             db.dispose()
         assert holder is not None
-        pid = int(holder.split("/")[1])
-        [worker] = [worker for worker in self.workers if worker.process.pid == pid]
+        [worker] = [worker for worker in self.workers if worker.process.pid == pid_of(holder)]
         return worker
 
     def row(self, batch_id: str) -> dict:
