@@ -48,7 +48,7 @@ demo: setup
 # The tiers (README "Tests"): tests/unit (logic alone), tests/integration (the app on real SQLite/Postgres/S3, the
 # fake engine, HTTP, processes), tests/e2e (the real CPU engine), tests/browser (the console in Chromium).
 # `make test` runs them all on two pytest-xdist workers, a module on one (its module-scoped servers start once; the
-# e2e session server once on each worker that runs an e2e module), the real engine's modules first and the short
+# e2e modules on the session server all on one, so it starts once), the real engine's modules first and the short
 # ones last (tests/conftest.py orders them; xdist's own reorder would put the modules of one or two long tests last),
 # and prints the slowest tests.
 PYTEST := $(BIN)/python -m pytest -q -ra

@@ -181,6 +181,14 @@ class Storage:
     def free_bytes(self) -> int:
         return shutil.disk_usage(self.root).free
 
+    def has_room(self) -> bool:
+        """What `check_room` says, as a yes or no."""
+        try:
+            self.check_room()
+        except DiskFull:
+            return False
+        return True
+
     def check_room(self, size: int = 0) -> None:
         """DiskFull while the disk is full (its reserve released: what is left is the database's), or if `size`
         more bytes would leave less free than the reserve keeps."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import errno
+import logging
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,17 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
+@pytest.fixture
+def runner_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """What the engine's runs log (vbatch's loggers do not propagate to pytest's)."""
+    runner = logging.getLogger("vbatch.runner")
+    runner.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        runner.removeHandler(caplog.handler)
+
+
 def fill(disk: Path) -> Path:
     """Write until the file system says ENOSPC, as a runaway log would."""
     filler = disk / "filler"
@@ -51,28 +64,58 @@ def health_problems(client: TestClient) -> list[str]:
     return client.get("/health").json()["problems"]
 
 
-def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_deletes_and_recovers(small_disk):
-    settings = Settings(
+@pytest.fixture
+def disk_settings(small_disk: Path) -> Settings:
+    return Settings(
         data_dir=small_disk / "data",
         checkpoint_seconds=0.05,
         disk_reserve_bytes=1 << 20,
         min_free_disk_bytes=512 * 1024,
     )
+
+
+@dataclass
+class FullDisk:
+    running: dict  # writing results when the disk filled: failed, with the 3 it had
+    queued: dict  # its turn came with the disk full: waiting for room
+    filler: Path
+
+
+def fill_behind_a_running_batch(client: TestClient, disk: Path, runner_log: pytest.LogCaptureFixture) -> FullDisk:
+    """Two batches on an engine that answers 3 lines and holds the rest, the disk filled while the first runs."""
+    assert client.get("/health").status_code == 200
+    running = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(60)]))["id"])
+    queued = create_batch(client, upload(client, jsonl([request_line(f"q{i}") for i in range(5)]))["id"])
+    wait_for(lambda: client.get(f"/v1/batches/{running['id']}").json()["request_counts"]["completed"] == 3)
+    # Validated (which writes) before the disk fills, as the running one is.
+    wait_for(lambda: client.get(f"/v1/batches/{queued['id']}").json()["status"] == "in_progress")
+
+    filler = fill(disk)
+    wait_for(lambda: any("reserve" in problem for problem in health_problems(client)))
+    assert client.get("/health").status_code == 503
+
+    # The batch writing results fails with what it has; the one queued behind it, whose turn then comes, waits for
+    # room instead of failing with nothing.
+    failed = wait_status(client, running["id"], FINAL)
+    assert failed["status"] == "failed"
+    assert [e["code"] for e in failed["errors"]["data"]] == ["insufficient_storage"]
+    counts = failed["request_counts"]
+    assert counts["total"] == 60 and counts["completed"] >= 3 and counts["failed"] == 0
+    wait_for(lambda: f"batch {queued['id']}: its turn came with the disk full; it waits for room" in runner_log.text)
+    assert client.get(f"/v1/batches/{queued['id']}").json()["status"] == "in_progress"
+    return FullDisk(running=failed, queued=queued, filler=filler)
+
+
+def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_deletes_and_recovers(
+    small_disk, disk_settings, runner_log
+):
     engine = FakeEngine()
     engine.executor.answer_first = 3
-    with app_on(settings, engine) as client:
-        assert client.get("/health").status_code == 200
-        running = create_batch(client, upload(client, jsonl([request_line(f"r{i}") for i in range(60)]))["id"])
-        queued = create_batch(client, upload(client, jsonl([request_line(f"q{i}") for i in range(5)]))["id"])
+    with app_on(disk_settings, engine) as client:
         spare = upload(client, jsonl([request_line("spare")]))
-        wait_for(lambda: client.get(f"/v1/batches/{running['id']}").json()["request_counts"]["completed"] == 3)
-        # The queued one's validation behind it too, as the running one's is: a fill that came while it was still
-        # writing failed it (as it should), and it was no longer there to cancel.
-        wait_for(lambda: client.get(f"/v1/batches/{queued['id']}").json()["status"] == "in_progress")
-
-        filler = fill(small_disk)
-        wait_for(lambda: any("reserve" in problem for problem in health_problems(client)))
-        assert client.get("/health").status_code == 503
+        full = fill_behind_a_running_batch(client, small_disk, runner_log)
+        failed, queued, filler = full.running, full.queued, full.filler
+        counts = failed["request_counts"]
 
         # Everything the API does to what is stored still works, and says why when it cannot.
         cancel = client.post(f"/v1/batches/{queued['id']}/cancel")
@@ -85,12 +128,7 @@ def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_d
         assert refused.status_code == 507
         assert refused.json()["error"]["code"] == "insufficient_storage"
 
-        engine.executor.gate.set()  # the other 57 answers come now, with nowhere to go
-        failed = wait_status(client, running["id"], FINAL)
-        assert failed["status"] == "failed"
-        assert [e["code"] for e in failed["errors"]["data"]] == ["insufficient_storage"]
-        counts = failed["request_counts"]
-        assert counts["total"] == 60 and counts["completed"] >= 3 and counts["failed"] == 0
+        engine.executor.gate.set()  # the failed batch's other 57 answers come now, with nowhere to go
         outputs = read_jsonl(client, failed["output_file_id"])
         assert len(outputs) == counts["completed"]
         assert len({o["custom_id"] for o in outputs}) == len(outputs)
@@ -102,4 +140,17 @@ def test_a_full_disk_ends_the_batch_with_its_results_and_the_api_still_cancels_d
         done = wait_status(client, again["id"], FINAL)
         assert done["status"] == "completed" and done["request_counts"]["completed"] == 60
     # Nothing of the failed batch's own (parts, index, input link) is left to keep the disk full.
-    assert not [p for p in (settings.files_dir).iterdir() if p.name.startswith(running["id"])]
+    assert not [p for p in (disk_settings.files_dir).iterdir() if p.name.startswith(failed["id"])]
+
+
+def test_a_batch_waiting_for_room_at_a_stop_runs_at_the_next_start(small_disk, disk_settings, runner_log):
+    engine = FakeEngine()
+    engine.executor.answer_first = 3
+    with app_on(disk_settings, engine) as client:
+        full = fill_behind_a_running_batch(client, small_disk, runner_log)
+    # Stopped while it waited: left in progress, not failed by its stop's checkpoint on the full disk.
+    full.filler.unlink()
+    with app_on(disk_settings) as client:
+        done = wait_status(client, full.queued["id"], FINAL)
+        assert done["status"] == "completed", done
+        assert done["request_counts"] == {"total": 5, "completed": 5, "failed": 0}

@@ -41,6 +41,10 @@ class RunMeter:
         self.timeline: dict[str, float] = {}
         self.samples: list[Sample] = []
 
+    @property
+    def began(self) -> bool:
+        return self.done_before is not None
+
     def begin(self, *, done_before: int, created_ns: int) -> None:
         """The run starts sending, with `done_before` lines already done. The timeline's `created` stage is when
         the batch was created, before this start (negative): its validation and its wait for a turn."""

@@ -12,6 +12,7 @@ flight, isolated, until a line that kills the engine on its own is found and wri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
@@ -54,6 +55,9 @@ log = logging.getLogger("vbatch.runner")
 
 # A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
 RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
+# How often a batch waiting for room on a full disk looks again, besides when a batch is created or cancelled; the
+# reserve is written back, and so the room is seen, at the scheduler's look, each second.
+ROOM_POLL_SECONDS = 1.0
 
 
 async def run_batch(ctx: Context, batch_id: str, lease: Lease | None) -> None:
@@ -145,7 +149,10 @@ class BatchRun:
                     BatchStatus.CANCELLED if self.row.status == BatchStatus.CANCELLING else BatchStatus.EXPIRED
                 )
         finally:
-            await self.checkpoints.take()
+            # What it recorded before it stopped; one stopped before its feed began (in a wait for its turn, or for
+            # room on a full disk, whose check would fail it at a service's stop) recorded nothing.
+            if self.meter.began:
+                await self.checkpoints.take()
         if stop_status is None:
             return self._finished(BatchStatus.COMPLETED)
         record_unfinished(self.sink, self.index, stop_status)
@@ -157,6 +164,9 @@ class BatchRun:
         turn = await self._wait_for_turn()
         if isinstance(turn, BatchStatus):
             return turn
+        if (ended := await self._wait_for_room()) is not None:
+            turn.release()
+            return ended
         # Its numbers count from its turn, not its wait.
         self.meter.begin(done_before=len(self.sink.done), created_ns=self.row.created_ns)
         stop = asyncio.get_running_loop().create_future()
@@ -190,6 +200,26 @@ class BatchRun:
             deadline=self.row.expires_at,
             ending=self._ended_while_waiting,
         )
+
+    async def _wait_for_room(self) -> BatchStatus | None:
+        """None once the disk has room for results; or, if the batch is cancelled or expires first, the status it
+        ends with. A batch whose turn comes while the disk is full waits: its checkpoint loses nothing by waiting,
+        while its first tick would fail it with what it has (the batch writing when the disk filled has failed so),
+        and every batch queued behind it after it, each in its turn."""
+        waited = False
+        while not self.ctx.storage.has_room():
+            if not waited:
+                log.warning("batch %s: its turn came with the disk full; it waits for room", self.row.id)
+                waited = True
+            changed = self.ctx.changes.watch()  # before the look: a cancel while it looks is not missed
+            if (ended := await self._ended_while_waiting()) is not None:
+                return ended
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ROOM_POLL_SECONDS):
+                    await changed.wait()
+        if waited:
+            log.info("batch %s: the disk has room again; its lines run", self.row.id)
+        return None
 
     async def _ended_while_waiting(self) -> BatchStatus | None:
         if self.run.expired():
