@@ -1,6 +1,8 @@
 """`vbatch api` replicas and `vbatch worker` processes over one database and one files directory (fake engines in
 processes of their own): batches are shared out, each line answered once, a killed worker's batch is taken over, a
-stalled one writes nothing when it comes back, and a cancel reaches whichever worker runs the batch."""
+stalled one writes nothing when it comes back, and a cancel reaches whichever worker runs the batch. One fleet on each
+backend serves the module's tests in turn (five processes each; a fleet a test made 40 process starts), the test that
+kills a worker last."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from app.core.config import Settings
 from app.core.db import make_engine
 from app.domain import batches
 from app.testing import VbatchServer, free_port
+from tests.conftest import BOTH_BACKENDS
 from tests.helpers import app_on, create_batch, jsonl, pid_of, read_jsonl, request_line, upload, wait_for
 
-pytestmark = pytest.mark.both_backends
 LEASE_SECONDS = 3
 SHARD_LINES = 500  # the 1,200-line batch below runs as three shards, the 3,000-line ones as six, the others whole
 
@@ -76,16 +78,26 @@ class Cluster:
         finally:
             db.dispose()
 
+    def log_marks(self) -> dict[Path, int]:
+        """Where each worker's log ends now: what `logs_since` reads from (the fleet serves the module's tests)."""
+        return {worker.log_path: worker.log_path.stat().st_size for worker in self.workers}
+
+    def logs_since(self, marks: dict[Path, int]) -> list[str]:
+        return [path.read_bytes()[start:].decode(errors="replace") for path, start in marks.items()]
+
     def stop(self) -> None:
         for server in [*self.apis, *self.workers]:
             server.stop()
 
 
-@pytest.fixture
-def cluster(tmp_path: Path, database_url: str | None, storage_url: str | None) -> Iterator[Cluster]:
-    running = Cluster(tmp_path, database_url, storage_url)
+@pytest.fixture(scope="module", params=BOTH_BACKENDS)
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    on_s3 = request.param == "postgres_s3"
+    database_url = request.getfixturevalue("postgres").new_database(migrated=True) if on_s3 else None
+    storage_url = request.getfixturevalue("s3").new_url() if on_s3 else None
+    running = Cluster(tmp_path_factory.mktemp(f"fleet-{request.param}"), database_url, storage_url)
     try:
-        running.start("worker").wait_ready(timeout=120)  # the first migrates the database; the rest find it done
+        running.start("worker").wait_ready(timeout=120)  # the first migrates a SQLite database; the rest find it done
         for server in [running.start("worker"), running.start("worker"), running.start("api"), running.start("api")]:
             server.wait_ready(timeout=120)
         yield running
@@ -149,18 +161,20 @@ def test_replicas_and_workers_share_batches_and_answer_each_line_once(cluster, t
 
 def test_workers_share_one_large_batch_in_shards_and_a_cancel_reaches_them_all(cluster, tmp_path):
     client = sdk(cluster.apis[0])
+    listed_before = {b.id for b in client.batches.list(limit=100)}
+    files_before = {f.id for f in client.files.list()}
+    marks = cluster.log_marks()
     large = submit(client, tmp_path, "large", 1200)
     batch = ended(client, large)
     assert batch.status == "completed" and batch.request_counts.completed == 1200
     assert answers(client, batch.output_file_id) == single_process_answers(tmp_path / "large", "large", 1200)
-    assert [b.id for b in client.batches.list()] == [large]  # its shards list nowhere, and are gone
-    assert {f.id for f in client.files.list()} >= {batch.output_file_id}
-    assert not [f for f in client.files.list() if f.filename.startswith("batch_") and f.id != batch.output_file_id]
-    cut = [w for w in cluster.workers if "1200 requests in 3 shards" in w.log_path.read_text()]
-    assert len(cut) == 1
+    # Its shards, their inputs and their results list nowhere, and are gone.
+    assert {b.id for b in client.batches.list(limit=100)} - listed_before == {large}
+    assert {f.id for f in client.files.list()} - files_before == {batch.input_file_id, batch.output_file_id}
+    logs = cluster.logs_since(marks)
+    assert len([log for log in logs if "1200 requests in 3 shards" in log]) == 1
     shard_ends = ("completed, 500 completed", "completed, 200 completed")
-    ran = [w for w in cluster.workers if any(end in w.log_path.read_text() for end in shard_ends)]
-    assert len(ran) >= 2  # shards ran on more than one worker
+    assert len([log for log in logs if any(end in log for end in shard_ends)]) >= 2  # shards ran on two workers
 
     cancelled = submit(client, tmp_path, "cancelled", 3000)
     wait_for(lambda: client.batches.retrieve(cancelled).request_counts.completed >= 50)
@@ -184,7 +198,29 @@ def answers_or_errors(client: OpenAI, file_id: str | None) -> dict[str, dict]:
     return {line["custom_id"]: line["error"] for line in lines}
 
 
+def test_cancel_and_expiry_reach_the_worker_running_the_batch(cluster, tmp_path):
+    first, second = (sdk(api) for api in cluster.apis)
+    # 3,000 answers at 0.02 s, 8 at a time, take 7.5 s: the 3 s window closes mid-run, on whichever worker runs it.
+    expiring = submit(first, tmp_path, "expiring", 3000, window="3s")
+    batch = ended(second, expiring)
+    assert batch.status == "expired"
+    counts = batch.request_counts
+    assert 0 < counts.completed < 3000 and counts.completed + counts.failed == 3000
+
+    batch_id = submit(first, tmp_path, "cancelled", 400)
+    wait_for(lambda: first.batches.retrieve(batch_id).request_counts.completed >= 20)
+    # A replica shows the live numbers the worker kept at its last checkpoint.
+    progress = f"{cluster.apis[1].base_url}/v1/batches/{batch_id}/progress"
+    assert wait_for(lambda: httpx.get(progress).json()["requests_per_second"]) > 0
+    second.batches.cancel(batch_id)
+    batch = ended(first, batch_id)
+    assert batch.status == "cancelled"
+    counts = batch.request_counts
+    assert counts.total == 400 and 20 <= counts.completed < 400 and counts.completed + counts.failed == 400
+
+
 def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(cluster, tmp_path):
+    # The module's last on its fleet: it leaves one worker dead.
     client = sdk(cluster.apis[0])
     killed_batch = submit(client, tmp_path, "killed", 400)
     wait_for(lambda: client.batches.retrieve(killed_batch).request_counts.completed >= 40)
@@ -210,24 +246,3 @@ def test_a_killed_workers_batch_is_taken_over_and_a_stalled_one_writes_nothing(c
     assert cluster.row(stalled_batch) == row
     assert client.files.content(batch.output_file_id).content == published
     assert answers(client, batch.output_file_id).keys() == {f"stalled-{i}" for i in range(400)}
-
-
-def test_cancel_and_expiry_reach_the_worker_running_the_batch(cluster, tmp_path):
-    first, second = (sdk(api) for api in cluster.apis)
-    # 3,000 answers at 0.02 s, 8 at a time, take 7.5 s: the 3 s window closes mid-run, on whichever worker runs it.
-    expiring = submit(first, tmp_path, "expiring", 3000, window="3s")
-    batch = ended(second, expiring)
-    assert batch.status == "expired"
-    counts = batch.request_counts
-    assert 0 < counts.completed < 3000 and counts.completed + counts.failed == 3000
-
-    batch_id = submit(first, tmp_path, "cancelled", 400)
-    wait_for(lambda: first.batches.retrieve(batch_id).request_counts.completed >= 20)
-    # A replica shows the live numbers the worker kept at its last checkpoint.
-    progress = f"{cluster.apis[1].base_url}/v1/batches/{batch_id}/progress"
-    assert wait_for(lambda: httpx.get(progress).json()["requests_per_second"]) > 0
-    second.batches.cancel(batch_id)
-    batch = ended(first, batch_id)
-    assert batch.status == "cancelled"
-    counts = batch.request_counts
-    assert counts.total == 400 and 20 <= counts.completed < 400 and counts.completed + counts.failed == 400
