@@ -79,8 +79,11 @@ class RayCluster:
         return {row.lease_holder for row in rows}
 
 
-@pytest.fixture
-def ray_cluster(local_ray, tmp_path: Path, postgres, s3) -> Iterator[RayCluster]:
+@pytest.fixture(scope="module")
+def ray_cluster(local_ray, tmp_path_factory: pytest.TempPathFactory, postgres, s3) -> Iterator[RayCluster]:
+    """One pool and API for the module's tests in turn (a pool a test cost 10 to 14 s to start on two cores); the
+    test that scales it down last."""
+    tmp_path = tmp_path_factory.mktemp("ray-cluster")
     database_url = postgres.new_database()
     settings = {
         "VBATCH_DATABASE_URL": database_url,
@@ -151,6 +154,7 @@ def test_a_replica_killed_mid_shard_is_restarted_by_ray_and_the_shard_finishes_o
 
 
 def test_scaling_from_two_replicas_to_one_mid_batch_loses_nothing(ray_cluster, tmp_path):
+    # The module's last on its pool: it leaves one replica.
     client = sdk(ray_cluster.api)
     with ray_cluster.holding():
         batch_id = submit(client, tmp_path, "scaled", 1200)
