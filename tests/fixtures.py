@@ -4,6 +4,7 @@ server), each started once per session). A tier's conftest imports the ones it u
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -102,3 +103,14 @@ def engine_service(fake_engine: FakeEngine) -> EngineService:
 def client(settings: Settings, engine_service: EngineService) -> Iterator[TestClient]:
     with TestClient(create_app(settings, engine_service)) as test_client:
         yield test_client
+
+
+@pytest.fixture
+def runner_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
+    """`caplog`, hearing what batch runs log too: `vbatch.runner` has its own handler and does not propagate."""
+    runner = logging.getLogger("vbatch.runner")
+    runner.addHandler(caplog.handler)
+    try:
+        yield caplog
+    finally:
+        runner.removeHandler(caplog.handler)

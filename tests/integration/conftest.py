@@ -9,6 +9,7 @@ from tests.fixtures import (  # noqa: F401 - fixtures
     fake_engine,
     migrated_sqlite,
     postgres,
+    runner_log,
     s3,
     settings,
     storage_url,

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 
 from tests.helpers import create_batch, jsonl, read_jsonl, request_line, upload, wait_for, wait_status
@@ -54,20 +52,15 @@ def test_batch_completes_with_output_and_error_files(client):
     assert output_file["filename"] == f"{done['id']}_output.jsonl"
 
 
-def test_a_finished_batch_logs_where_its_time_went(client, caplog):
-    runner_log = logging.getLogger("vbatch.runner")  # vbatch's loggers do not propagate to the root
-    runner_log.addHandler(caplog.handler)
+def test_a_finished_batch_logs_where_its_time_went(client, runner_log):
     source = upload(client, jsonl([request_line(f"r{i}") for i in range(4)]))
     batch_id = wait_status(client, create_batch(client, source["id"])["id"], {"completed"})["id"]
 
     def timeline() -> dict | None:
-        found = [r for r in caplog.records if getattr(r, "batch_id", None) == batch_id and hasattr(r, "timeline")]
+        found = [r for r in runner_log.records if getattr(r, "batch_id", None) == batch_id and hasattr(r, "timeline")]
         return found[0].timeline if found else None
 
-    try:
-        stages = wait_for(timeline)  # a structured record, written just after the batch's final commit
-    finally:
-        runner_log.removeHandler(caplog.handler)
+    stages = wait_for(timeline)  # a structured record, written just after the batch's final commit
     assert stages == client.get(f"/v1/batches/{batch_id}/progress").json()["timeline"]
     assert set(stages) == {"created", "planned", "all_sent", "first_result", "last_result", "published"}
     assert (

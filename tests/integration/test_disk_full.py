@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import errno
-import logging
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -30,17 +29,6 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
-
-
-@pytest.fixture
-def runner_log(caplog: pytest.LogCaptureFixture) -> Iterator[pytest.LogCaptureFixture]:
-    """What the engine's runs log (vbatch's loggers do not propagate to pytest's)."""
-    runner = logging.getLogger("vbatch.runner")
-    runner.addHandler(caplog.handler)
-    try:
-        yield caplog
-    finally:
-        runner.removeHandler(caplog.handler)
 
 
 def fill(disk: Path) -> Path:

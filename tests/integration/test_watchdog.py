@@ -5,10 +5,7 @@ input and a late cancel: `test_batch_endings.py`.)"""
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 from fastapi.testclient import TestClient
@@ -77,17 +74,6 @@ def active_limit_reached(client: TestClient, file_id: str) -> bool:
     return client.post("/v1/batches", json=body).status_code == 429
 
 
-@contextmanager
-def endings_logged(caplog: pytest.LogCaptureFixture) -> Iterator[None]:
-    """`vbatch.runner`, where the endings log, has its own handler and does not propagate: caplog hears it here."""
-    runner_log = logging.getLogger("vbatch.runner")
-    runner_log.addHandler(caplog.handler)
-    try:
-        yield
-    finally:
-        runner_log.removeHandler(caplog.handler)
-
-
 def watchdog_tracebacks(caplog: pytest.LogCaptureFixture, batch_id: str) -> int:
     """How many times the watchdog logged a traceback for the batch (a record reaches caplog once or twice: through
     the runner's logger, and through the root where it propagates)."""
@@ -97,13 +83,13 @@ def watchdog_tracebacks(caplog: pytest.LogCaptureFixture, batch_id: str) -> int:
     return len(found)
 
 
-def test_a_batch_whose_ending_raises_is_ended_failed_with_its_checkpoint(settings, monkeypatch, caplog):
+def test_a_batch_whose_ending_raises_is_ended_failed_with_its_checkpoint(settings, monkeypatch, runner_log):
     settings.watchdog_grace_seconds = GRACE
     settings.max_active_batches_per_key = 1
     # Every ending that writes the error lines of requests that never ran raises, as one with a custom_id its writer
     # could not encode did: the run's own at expiry, then the watchdog's.
     monkeypatch.setattr(failpoints, "ARMED", Failpoints(failpoints.UNFINISHED_LINES_RAISE))
-    with endings_logged(caplog), held_batch(settings, lines=6, answered=2, completion_window="2s") as held:
+    with held_batch(settings, lines=6, answered=2, completion_window="2s") as held:
         client, source, batch = held.client, held.source, held.batch
         assert active_limit_reached(client, source["id"])
         ended = wait_status(client, batch["id"], FINAL, timeout=2 + GRACE + 10)
@@ -114,15 +100,15 @@ def test_a_batch_whose_ending_raises_is_ended_failed_with_its_checkpoint(setting
         assert sorted(o["custom_id"] for o in read_jsonl(client, ended["output_file_id"])) == ["r0", "r1"]
         assert not active_limit_reached(client, source["id"])
         assert client.get("/health").status_code == 200
-    assert watchdog_tracebacks(caplog, batch["id"]) == 1  # the ending that raised, once: no retry every second
+    assert watchdog_tracebacks(runner_log, batch["id"]) == 1  # the ending that raised, once: no retry every second
 
 
-def test_a_batch_whose_results_cannot_be_read_back_is_ended_failed_without_them(settings, caplog):
+def test_a_batch_whose_results_cannot_be_read_back_is_ended_failed_without_them(settings, runner_log):
     settings.watchdog_grace_seconds = GRACE
     settings.max_active_batches_per_key = 1
     engine = FakeEngine()
     engine.fail_restarts = True
-    with endings_logged(caplog), app_on(settings, engine) as client:
+    with app_on(settings, engine) as client:
         lines = [request_line(f"r{i}") for i in range(4)] + [request_line("poison", seed=1)]
         source = upload(client, jsonl(lines))
         batch = create_batch(client, source["id"], completion_window="2s")
@@ -138,5 +124,5 @@ def test_a_batch_whose_results_cannot_be_read_back_is_ended_failed_without_them(
         assert ended["output_file_id"] is None and ended["error_file_id"] is None
         assert ended["request_counts"] == {"total": 5, "completed": 0, "failed": 0}
         assert not active_limit_reached(client, source["id"])
-    assert watchdog_tracebacks(caplog, batch["id"]) == 2  # each ending that raised, once
+    assert watchdog_tracebacks(runner_log, batch["id"]) == 2  # each ending that raised, once
     assert not [name for name in stored_names(settings) if name.startswith(batch["id"])]
