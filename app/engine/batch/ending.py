@@ -22,6 +22,7 @@ first) ends by `_end_unrun`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -115,17 +116,23 @@ async def end(run: Run, outcome: RunOutcome) -> None:
     """The one exit of a batch's run: its ending, chosen from `outcome` (and by `cancel_wins`)."""
     match outcome:
         case Unserved():
-            await _end_unserved(run)
+            # Expired, as OpenAI ends a batch its completion window outlived (`failed` is for an input found
+            # invalid, which this one never was). Its lines were never read: it has no result files.
+            await _end_unrun(run, [model_not_served(run.row.model)], wanted=BatchStatus.EXPIRED)
         case Refused(errors):
             await _end_unrun(run, errors)
         case InputGone():
-            await _end_unrun(run, [input_gone(run)])
+            await _end_unrun(run, [input_gone(run.row.input_file_id)])
         case CancelledFirst():
             await _end_unrun(run)
         case Ran():
             await _end_ran(run, outcome)
         case OutOfDisk():
-            await _end_out_of_disk(run)
+            # The batch fails at once with what its last checkpoint holds (the reserve released, the room left is
+            # the database's).
+            run.storage.reserve.release()
+            log.error("batch %s: the disk is full; the batch fails with the results it has", run.id)
+            await _end_from_checkpoint(run, BatchStatus.FAILED, [DISK_FULL])
 
 
 async def _end_ran(run: Run, ran: Ran) -> None:
@@ -204,8 +211,17 @@ def shards_ending(shards: Sequence[BatchRow]) -> BatchStatus:
     return BatchStatus.COMPLETED
 
 
-def input_gone(run: Run) -> BatchError:
-    return BatchError(code="file_not_found", message=f"The input file {run.row.input_file_id} cannot be read.")
+def input_gone(input_file_id: str) -> BatchError:
+    return BatchError(code="file_not_found", message=f"The input file {input_file_id} cannot be read.")
+
+
+def model_not_served(model: str | None) -> BatchError:
+    return BatchError(
+        code="model_not_served",
+        message=f"No worker served the model {model!r} before this batch's completion window ended; none of its "
+        "requests ran.",
+        param="model",
+    )
 
 
 async def _end_unrun(run: Run, errors: Sequence[BatchError] = (), wanted: BatchStatus = BatchStatus.FAILED) -> None:
@@ -227,19 +243,6 @@ def unserved(row: BatchRow, served_models: Sequence[str]) -> bool:
     only to be ended (`app.domain.leases.claim`), no service having served its model meanwhile."""
     ended = row.expires_at is not None and row.expires_at <= clock.now()
     return row.status == BatchStatus.VALIDATING and ended and row.model not in (None, *served_models)
-
-
-async def _end_unserved(run: Run) -> None:
-    """Expired, as OpenAI ends a batch its completion window outlived (`failed` is for an input found invalid,
-    which this one never was), with an error that says which model no worker served. No line ran, and its lines
-    were never read: it has no result files."""
-    error = BatchError(
-        code="model_not_served",
-        message=f"No worker served the model {run.row.model!r} before this batch's completion window ended; none "
-        "of its requests ran.",
-        param="model",
-    )
-    await _end_unrun(run, [error], wanted=BatchStatus.EXPIRED)
 
 
 async def _end_with_results(
@@ -320,14 +323,6 @@ async def _result_file(run: Run, appender: ResultAppender, kind: str) -> FileRow
     )
 
 
-async def _end_out_of_disk(run: Run) -> None:
-    """The disk filled up under the run: the batch fails at once with what its last checkpoint holds (the reserve
-    released, the room left is the database's)."""
-    run.storage.reserve.release()
-    log.error("batch %s: the disk is full; the batch fails with the results it has", run.id)
-    await _end_from_checkpoint(run, BatchStatus.FAILED, [DISK_FULL])
-
-
 async def _end_from_checkpoint(
     run: Run, wanted: BatchStatus, errors: Sequence[BatchError], *, fill_unfinished: bool = True
 ) -> None:
@@ -340,7 +335,8 @@ async def _end_from_checkpoint(
     run.row = stored
     status = cancel_wins(stored.status, wanted)
     if run.index is None:
-        run.index = await _index_or_none(run)
+        with contextlib.suppress(OSError, ValueError):  # none kept, or unreadable: no line is filled in
+            run.index = await run.stored_index()
     sink = await run.sink_at_checkpoint(stored)
     try:
         if fill_unfinished and run.index is not None and status in (BatchStatus.CANCELLED, BatchStatus.EXPIRED):
@@ -416,10 +412,3 @@ def record_unfinished(sink: ResultSink, index: InputIndex, status: BatchStatus) 
     for position, custom_id in enumerate(index.custom_ids):
         if position not in sink.done:
             sink.record(position, error_outcome(custom_id, code, message))
-
-
-async def _index_or_none(run: Run) -> InputIndex | None:
-    try:
-        return await run.stored_index()
-    except (OSError, ValueError):
-        return None

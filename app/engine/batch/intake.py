@@ -1,9 +1,10 @@
 """A batch's input on its way in: validated once, indexed, and given the batch's own name for its bytes.
 
-The input's one full read happens here; from then on the batch reads its lines by offset from the index
-(`app.domain.input_index`), and its own hard link to the bytes keeps them whatever happens to the input's file
-object. A cancel may come at any point of it. What stops a batch here (`Refused`, `InputGone`, `CancelledFirst`) is
-told to the run's one exit, `ending.end`, which ends it.
+The story's one call here is `take_in`: a new batch's input validated (and, when large, cut into shards), or the
+index of a batch taken up again loaded. The input's one full read happens here; from then on the batch reads its
+lines by offset from the index (`app.domain.input_index`), and its own hard link to the bytes keeps them whatever
+happens to the input's file object. A cancel may come at any point of it. What stops a batch here (`Refused`,
+`InputGone`, `CancelledFirst`) is told to the run's one exit, `ending.end`, which ends it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from app.core.disk import is_disk_full
 from app.domain import batches, files
 from app.domain.adapters import parents
 from app.domain.input_index import InputIndex
-from app.domain.lifecycle import InvalidTransition
+from app.domain.lifecycle import BatchStatus, InvalidTransition
 from app.domain.validation import Limits, Report, validate_file
 from app.engine.batch.context import Context
 from app.engine.batch.ending import CancelledFirst, InputGone, Refused
@@ -25,14 +26,18 @@ from app.engine.batch.shards import make_shards
 log = logging.getLogger("vbatch.runner")
 
 
-def _limits(ctx: Context, run: Run) -> Limits:
-    return Limits.from_settings(
-        ctx.settings,
-        endpoint=run.row.endpoint,
-        served_models=ctx.served_models,
-        parents=parents(ctx.adapters),
-        find_adapter=ctx.find_adapter,
-    )
+async def take_in(ctx: Context, run: Run) -> Refused | InputGone | CancelledFirst | None:
+    """The batch's input ready for its run: a new batch's validated (`validate`), the index of one taken up again
+    loaded (`load_index`). None when the run goes on, with `run.index` set if it runs lines of its own; else why
+    not, for `ending.end` to end it."""
+    if run.row.status == BatchStatus.VALIDATING:
+        return await validate(ctx, run)
+    if run.runs_own_lines and run.index is None:
+        index = await load_index(ctx, run)
+        if isinstance(index, InputGone):
+            return index
+        run.index = index
+    return None
 
 
 async def validate(ctx: Context, run: Run) -> Refused | InputGone | CancelledFirst | None:
@@ -43,7 +48,7 @@ async def validate(ctx: Context, run: Run) -> Refused | InputGone | CancelledFir
     row = run.row
     try:
         source = await asyncio.to_thread(files.get, db=ctx.db, file_id=row.input_file_id, owner=None)
-        report = await _read_input(ctx, run, source.id)
+        report = await _read_input(ctx, run.input_name, row.endpoint, source_id=source.id)
     except Exception as exc:  # the input file vanished (deleted) or cannot be read
         if is_disk_full(exc):
             raise
@@ -59,7 +64,7 @@ async def validate(ctx: Context, run: Run) -> Refused | InputGone | CancelledFir
     model = report.model or (ctx.served_models[0] if ctx.served_models else None)
     fields = {"batch_id": row.id, "event": "batch.validated", "requests": report.total}
     log.info("batch %s: %d requests validated", row.id, report.total, extra=fields)
-    shards = await make_shards(ctx, run, report.index, model)
+    shards = await make_shards(ctx, parent=row, source_name=run.input_name, index=report.index, model=model)
     try:
         run.row = await asyncio.to_thread(
             batches.start, db=ctx.db, batch_id=row.id, total=report.total, model=model, lease=run.lease, shards=shards
@@ -81,7 +86,8 @@ async def load_index(ctx: Context, run: Run) -> InputIndex | InputGone:
         pass
     try:
         linked = await asyncio.to_thread(ctx.storage.exists, run.input_name)
-        report = await _read_input(ctx, run, source_id=None if linked else run.row.input_file_id)
+        source_id = None if linked else run.row.input_file_id
+        report = await _read_input(ctx, run.input_name, run.row.endpoint, source_id=source_id)
         await ctx.storage.save_bytes(run.index_name, report.index.to_bytes())
     except FileNotFoundError:
         log.error("batch %s: its input file %s is gone; the batch ends", run.id, run.row.input_file_id)
@@ -89,9 +95,16 @@ async def load_index(ctx: Context, run: Run) -> InputIndex | InputGone:
     return report.index
 
 
-async def _read_input(ctx: Context, run: Run, source_id: str | None) -> Report:
+async def _read_input(ctx: Context, name: str, endpoint: str, *, source_id: str | None) -> Report:
     """Validate (and index) the batch's own name for its input, first linking it to `source_id` if given."""
     if source_id is not None:
-        await ctx.storage.copy(source_id, run.input_name)
-    path = await ctx.storage.local_path(run.input_name)
-    return await asyncio.to_thread(validate_file, path, _limits(ctx, run))
+        await ctx.storage.copy(source_id, name)
+    path = await ctx.storage.local_path(name)
+    limits = Limits.from_settings(
+        ctx.settings,
+        endpoint=endpoint,
+        served_models=ctx.served_models,
+        parents=parents(ctx.adapters),
+        find_adapter=ctx.find_adapter,
+    )
+    return await asyncio.to_thread(validate_file, path, limits)

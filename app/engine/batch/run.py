@@ -21,9 +21,13 @@ from app.core.storage import Storage
 from app.domain import batches
 from app.domain.input_index import InputIndex
 from app.domain.leases import Lease
+from app.domain.lifecycle import BatchStatus
 from app.domain.models import BatchRow
 from app.domain.results import Outcome, index_name, input_name, part_names, run_files
 from app.engine.batch.parts import ResultSink
+
+# A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
+RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
 
 
 @dataclass
@@ -62,6 +66,16 @@ class Run:
     @property
     def id(self) -> str:
         return self.row.id
+
+    @property
+    def waits_for_shards(self) -> bool:
+        """A parent of shards whose run has begun: it waits for its shards and joins their results."""
+        return self.row.status in RUNNING and bool(self.row.shards)
+
+    @property
+    def runs_own_lines(self) -> bool:
+        """A batch whose run has begun on lines of its own (not a parent of shards)."""
+        return self.row.status in RUNNING and self.row.in_progress_at is not None and not self.row.shards
 
     def expired(self) -> bool:
         """Whether the batch's completion window has ended."""

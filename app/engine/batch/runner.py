@@ -31,7 +31,6 @@ from app.engine.batch.checkpoints import Checkpoints
 from app.engine.batch.context import Context
 from app.engine.batch.ending import (
     CancelledFirst,
-    InputGone,
     OutOfDisk,
     Ran,
     RunOutcome,
@@ -40,7 +39,7 @@ from app.engine.batch.ending import (
     record_unfinished,
     unserved,
 )
-from app.engine.batch.intake import load_index, validate
+from app.engine.batch.intake import take_in
 from app.engine.batch.meter import RunMeter
 from app.engine.batch.ordering import Group, adapter_gate, ordered_lines, pin_to_ranks, plan
 from app.engine.batch.run import Run
@@ -53,8 +52,6 @@ from app.engine.telemetry.metrics import BATCH, Payer, key_label
 
 log = logging.getLogger("vbatch.runner")
 
-# A batch in one of these with `in_progress_at` set has a run to go on with (or to end).
-RUNNING = frozenset({BatchStatus.IN_PROGRESS, BatchStatus.CANCELLING, BatchStatus.FINALIZING})
 # How often a batch waiting for room on a full disk looks again, besides when a batch is created or cancelled; the
 # reserve is written back, and so the room is seen, at the scheduler's look, each second.
 ROOM_POLL_SECONDS = 1.0
@@ -83,19 +80,14 @@ async def _story(ctx: Context, run: Run, held: AsyncExitStack) -> RunOutcome | N
     the batch is not this run's to end (it has ended meanwhile)."""
     if unserved(run.row, ctx.served_models):
         return Unserved()
-    if run.row.status == BatchStatus.VALIDATING and (refused := await validate(ctx, run)) is not None:
+    if (refused := await take_in(ctx, run)) is not None:
         return refused
-    row = run.row
-    if row.status in RUNNING and row.shards:
+    if run.waits_for_shards:
         return await run_parent(ctx, run)
-    if row.status in RUNNING and row.in_progress_at is not None:
-        index = run.index if run.index is not None else await load_index(ctx, run)
-        if isinstance(index, InputGone):
-            return index
-        run.index = index
-        batch = await held.enter_async_context(BatchRun(ctx, run, index))
+    if run.runs_own_lines and run.index is not None:
+        batch = await held.enter_async_context(BatchRun(ctx, run, run.index))
         return await batch.run_to_finish()
-    if row.status == BatchStatus.CANCELLING:
+    if run.row.status == BatchStatus.CANCELLING:
         return CancelledFirst()
     return None
 

@@ -31,6 +31,7 @@ from app.domain.schemas import BatchError, BatchErrors
 from app.engine.batch.context import Context
 from app.engine.batch.ending import Ran, shards_ending
 from app.engine.batch.ordering import Group, plan
+from app.engine.batch.parts import ResultSink
 from app.engine.batch.run import Run
 
 log = logging.getLogger("vbatch.runner")
@@ -63,22 +64,24 @@ def _pieces(groups: list[Group], shard_lines: int) -> Iterator[Sequence[int]]:
                 yield from (group.positions[i : i + shard_lines] for i in range(0, len(group.positions), shard_lines))
 
 
-async def make_shards(ctx: Context, run: Run, index: InputIndex, model: str | None) -> list[BatchRow]:
-    """The shard rows to start the batch with, their inputs and indexes stored (under the names each shard's own run
-    will use); none if it is not large enough to cut (or this service does not cut)."""
+async def make_shards(
+    ctx: Context, *, parent: BatchRow, source_name: str, index: InputIndex, model: str | None
+) -> list[BatchRow]:
+    """The shard rows to start `parent` with, cut from its input (stored as `source_name`), their inputs and indexes
+    stored (under the names each shard's own run will use); none if it is not large enough to cut (or this service
+    does not cut)."""
     positions = cut(index, ctx.shard_lines) if ctx.shard_lines and len(index) > ctx.shard_lines else []
     if len(positions) < 2:
         return []
-    row = run.row
-    source = await ctx.storage.local_path(run.input_name)
+    source = await ctx.storage.local_path(source_name)
     shards = []
     for number, shard in enumerate(positions):
         data, shard_index = await asyncio.to_thread(_extract, source, index, shard)
-        shard_row = _shard_row(row, number, total=len(shard), model=model)
+        shard_row = _shard_row(parent, number, total=len(shard), model=model)
         await ctx.storage.save_bytes(input_name(shard_row.id), data)
         await ctx.storage.save_bytes(index_name(shard_row.id), shard_index.to_bytes())
         shards.append(shard_row)
-    log.info("batch %s: %d requests in %d shards", row.id, len(index), len(shards))
+    log.info("batch %s: %d requests in %d shards", parent.id, len(index), len(shards))
     return shards
 
 
@@ -125,7 +128,7 @@ async def run_parent(ctx: Context, run: Run) -> Ran:
     while (ended := await asyncio.to_thread(_look_at_shards, ctx, run)) is None:
         await asyncio.sleep(ctx.settings.checkpoint_seconds)
     run.row, shards, progress = ended
-    return await _join(ctx, run, shards, progress)
+    return await _join(ctx, run.new_sink(), shards, progress)
 
 
 def _look_at_shards(ctx: Context, run: Run) -> tuple[BatchRow, list[BatchRow], Progress] | None:
@@ -158,8 +161,8 @@ def _sum(shards: list[BatchRow]) -> Progress:
     return total
 
 
-async def _join(ctx: Context, run: Run, shards: list[BatchRow], progress: Progress) -> Ran:
-    sink = run.new_sink()
+async def _join(ctx: Context, sink: ResultSink, shards: list[BatchRow], progress: Progress) -> Ran:
+    """The shards' result files joined in shard order into `sink`, the parent's."""
     await sink.open(output_bytes=0, error_bytes=0, position_of=dict)
     for shard in shards:
         for file_id, appender in ((shard.output_file_id, sink.output), (shard.error_file_id, sink.errors)):
